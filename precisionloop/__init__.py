@@ -1,0 +1,16 @@
+"""precisionloop: a PyTorch training step around a precision policy (fp32/TF32, bf16, fp16 with loss scaling)."""
+
+from .policy import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, get_policy
+from .trainer import StepResult, Trainer, TrainStats
+
+__all__ = [
+    "PrecisionPolicy",
+    "FP32Policy",
+    "BF16Policy",
+    "FP16Policy",
+    "get_policy",
+    "Trainer",
+    "StepResult",
+    "TrainStats",
+]
+__version__ = "0.1.0"

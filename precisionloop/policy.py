@@ -1,0 +1,313 @@
+"""Precision policies: the compute dtype, the loss scaler and the backend flags of a training step.
+
+Every precision string is parsed here, in :func:`get_policy`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from typing import ClassVar, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "FP16Policy", "get_policy", "PRECISIONS"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """An immutable description of how a training step handles precision.
+
+    The Trainer reaches a policy only through ``autocast``, ``make_scaler``,
+    ``backend_flags``, ``prepare_model`` and ``memory_format``, plus the
+    attributes ``name`` and ``compute_dtype``. Subclass it (or one of the three
+    concrete policies) to support custom hardware.
+
+    Args:
+        tf32: let fp32 matmuls and convolutions use TF32 tensor cores on CUDA.
+        cudnn_benchmark: autotune cuDNN algorithms; ``None`` follows ``tf32``.
+        channels_last: ``None`` puts models with 2-D convolutions into
+            channels_last on CUDA only; ``True`` always; ``False`` never.
+        note: why this policy was chosen (filled in by ``get_policy("auto")``).
+
+    Example:
+        >>> import torch
+        >>> from precisionloop import BF16Policy
+        >>> policy = BF16Policy()
+        >>> with policy.backend_flags(), policy.autocast("cpu"):
+        ...     y = torch.nn.Linear(4, 2)(torch.randn(3, 4))
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    name: ClassVar[str] = "custom"
+    compute_dtype: ClassVar[torch.dtype] = torch.float32
+
+    tf32: bool = True
+    cudnn_benchmark: bool | None = None
+    channels_last: bool | None = None
+    note: str = dataclasses.field(default="", compare=False)
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """A context manager for the forward pass and the loss."""
+        if self.compute_dtype == torch.float32:
+            # An explicit disabled autocast also switches off any autocast the caller opened.
+            return torch.autocast(device_type, enabled=False)
+        return torch.autocast(device_type, dtype=self.compute_dtype)
+
+    def make_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
+        """A fresh loss scaler for this device type, or ``None`` when gradients need no scaling."""
+        return None
+
+    @contextlib.contextmanager
+    def backend_flags(self) -> Iterator[None]:
+        """Set TF32 and ``cudnn.benchmark`` while the block runs, then restore the caller's values."""
+        saved = _read_flags()
+        try:
+            benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
+            _write_flags(_tf32_flags(self.tf32), benchmark)
+            yield
+        finally:
+            _write_flags(*saved)
+
+    def memory_format(self, model: nn.Module) -> torch.memory_format:
+        """The layout for this model's 4-D weights and 4-D floating-point inputs."""
+        if self.channels_last is False or not any(isinstance(m, nn.Conv2d) for m in model.modules()):
+            return torch.contiguous_format
+        if self.channels_last or any(p.is_cuda for p in model.parameters()):
+            return torch.channels_last
+        return torch.contiguous_format
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Check that the model's device supports this policy and convert its layout.
+
+        Raises:
+            ValueError: the device cannot run ``compute_dtype`` natively.
+        """
+        device = next((p.device for p in model.parameters()), None)
+        if device is not None:
+            _check_device_support(self, device)
+        memory_format = self.memory_format(model)
+        if memory_format is not torch.contiguous_format:
+            model = model.to(memory_format=memory_format)
+        return model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FP32Policy(PrecisionPolicy):
+    """fp32 everywhere: ``tf32=False`` is strict IEEE fp32, ``tf32=True`` uses TF32 tensor cores."""
+
+    tf32: bool = False
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "tf32" if self.tf32 else "fp32"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BF16Policy(PrecisionPolicy):
+    """bf16 autocast with fp32 master weights; bf16 keeps fp32's exponent range, so no loss scaler."""
+
+    name: ClassVar[str] = "bf16"
+    compute_dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FP16Policy(PrecisionPolicy):
+    """fp16 autocast with fp32 master weights and a dynamic loss scaler.
+
+    Args:
+        init_scale: the first loss scale.
+        growth_factor: the scale's multiplier after ``growth_interval`` finite steps.
+        backoff_factor: the scale's multiplier after a step with non-finite gradients.
+        growth_interval: how many finite steps in a row before the scale grows.
+
+    Raises:
+        ValueError: a scaler argument is out of range.
+    """
+
+    name: ClassVar[str] = "fp16"
+    compute_dtype: ClassVar[torch.dtype] = torch.float16
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not self.init_scale > 0:
+            raise ValueError(f"init_scale must be > 0, got {self.init_scale!r}")
+        if not self.growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+
+    def make_scaler(self, device_type: str) -> torch.amp.GradScaler:
+        return torch.amp.GradScaler(
+            device_type,
+            init_scale=self.init_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+        )
+
+
+# The one precision table: canonical name -> factory, then every accepted spelling.
+PRECISIONS: dict[str, type[PrecisionPolicy] | object] = {
+    "fp32": lambda: FP32Policy(tf32=False),
+    "tf32": lambda: FP32Policy(tf32=True),
+    "bf16": BF16Policy,
+    "fp16": FP16Policy,
+}
+_ALIASES = {
+    "float32": "fp32", "32": "fp32", "32-true": "fp32", "full": "fp32",
+    "bfloat16": "bf16", "bf16-mixed": "bf16",
+    "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16",
+}
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | torch.device | None = None) -> PrecisionPolicy:
+    """Turn a precision spec into a policy.
+
+    Args:
+        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"fp16"``,
+            ``"auto"``, an alias (float32, bfloat16, float16, half, 32, 16, and
+            Lightning's ``"bf16-mixed"``/``"16-mixed"``/``"32-true"``), a torch
+            dtype, or a policy instance, which is returned unchanged.
+        device: the device that ``"auto"`` chooses for; the current CUDA device
+            or the CPU when ``None``.
+
+    Raises:
+        ValueError: ``spec`` names no known precision.
+
+    Example:
+        >>> from precisionloop import get_policy
+        >>> get_policy("BFloat16").name
+        'bf16'
+    """
+    if isinstance(spec, PrecisionPolicy):
+        return spec
+    key = _normalise(spec)
+    if key == "auto":
+        return _auto_policy(_as_device(device))
+    return PRECISIONS[key]()
+
+
+def _normalise(spec: object) -> str:
+    key: str | None = None
+    if isinstance(spec, torch.dtype):
+        key = _DTYPES.get(spec)
+    elif isinstance(spec, int) and not isinstance(spec, bool):
+        key = str(spec)
+    elif isinstance(spec, str):
+        key = spec.strip().lower()
+    key = _ALIASES.get(key, key)  # type: ignore[arg-type]
+    if key == "auto" or key in PRECISIONS:
+        return key  # type: ignore[return-value]
+    raise ValueError(
+        f"unknown precision {spec!r}; valid: {', '.join([*PRECISIONS, 'auto'])}, "
+        f"the aliases {', '.join(_ALIASES)}, a torch dtype among "
+        f"{', '.join(str(d) for d in _DTYPES)}, or a PrecisionPolicy instance"
+    )
+
+
+def _as_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _cuda_bf16_native(device: torch.device) -> bool:
+    if torch.version.hip:
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _cpu_bf16_native() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _auto_policy(device: torch.device) -> PrecisionPolicy:
+    if device.type == "cuda":
+        label = f"{torch.cuda.get_device_name(device)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+        if _cuda_bf16_native(device):
+            policy: PrecisionPolicy = BF16Policy(note=f"auto: {label} has native bf16")
+        else:
+            policy = FP16Policy(note=f"auto: {label} has no native bf16, so fp16 with loss scaling")
+    elif device.type == "cpu" and _cpu_bf16_native():
+        policy = BF16Policy(note="auto: this CPU runs bf16 natively")
+    else:
+        policy = FP32Policy(tf32=True, note=f"auto: no native reduced precision found for {device}")
+    log.info("precision='auto' chose %s: %s", policy.name, policy.note)
+    return policy
+
+
+def _check_device_support(policy: PrecisionPolicy, device: torch.device) -> None:
+    dtype = policy.compute_dtype
+    if dtype == torch.float32:
+        return
+    if not torch.amp.is_autocast_available(device.type):
+        raise ValueError(f"precision {policy.name!r} needs autocast, which torch does not offer on {device}; use precision='fp32'")
+    if device.type == "cuda" and dtype == torch.bfloat16 and not _cuda_bf16_native(device):
+        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        raise ValueError(
+            f"precision {policy.name!r} needs native bf16, but {torch.cuda.get_device_name(device)} on {device} "
+            f"has compute capability {cc} (bf16 needs 8.0 or higher); use precision='fp16', which adds loss scaling"
+        )
+    if device.type == "cpu" and dtype == torch.float16:
+        warnings.warn(
+            "fp16 autocast on the CPU is supported but very slow (tens of times slower than fp32); "
+            "consider precision='bf16' on the CPU",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+# Backend flags. torch >= 2.9 has per-backend `fp32_precision` settings, and mixing them
+# with the legacy `allow_tf32` switches raises, so use whichever API this torch provides.
+_NEW_TF32_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def _tf32_flags(tf32: bool) -> tuple:
+    if _NEW_TF32_API:
+        precision = "tf32" if tf32 else "ieee"
+        return (precision, precision, precision)
+    return (tf32, tf32)
+
+
+def _read_flags() -> tuple[tuple, bool]:
+    cudnn = torch.backends.cudnn
+    if _NEW_TF32_API:
+        tf32 = (torch.backends.cuda.matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision)
+    else:
+        tf32 = (torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32)
+    return tf32, cudnn.benchmark
+
+
+def _write_flags(tf32: tuple, benchmark: bool) -> None:
+    cudnn = torch.backends.cudnn
+    if _NEW_TF32_API:
+        torch.backends.cuda.matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = tf32
+    else:
+        torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32 = tf32
+    cudnn.benchmark = benchmark

@@ -1,0 +1,300 @@
+"""The Trainer: one training-step code path for every precision policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .policy import PrecisionPolicy, _as_device, get_policy
+
+__all__ = ["Trainer", "StepResult", "TrainStats"]
+
+log = logging.getLogger(__name__)
+
+
+class StepResult:
+    """What one call to :meth:`Trainer.step` did; tensor values reach the host only when read.
+
+    Attributes:
+        loss: the micro-batch's loss, unscaled and not divided by ``grad_accum_steps``.
+        stepped: the optimizer updated the parameters.
+        skipped: an optimizer step was due but skipped for non-finite gradients.
+        scale: the loss scale after this step, or ``None`` without a scaler.
+        grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
+    """
+
+    __slots__ = ("_loss", "_grad_norm", "stepped", "skipped", "scale")
+
+    def __init__(self, loss: torch.Tensor, *, stepped: bool, skipped: bool, scale: float | None, grad_norm: torch.Tensor | None = None):
+        self._loss: torch.Tensor | float = loss
+        self._grad_norm: torch.Tensor | float | None = grad_norm
+        self.stepped = stepped
+        self.skipped = skipped
+        self.scale = scale
+
+    @property
+    def loss(self) -> float:
+        if isinstance(self._loss, torch.Tensor):
+            self._loss = float(self._loss)
+        return self._loss
+
+    @property
+    def grad_norm(self) -> float | None:
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = float(self._grad_norm)
+        return self._grad_norm
+
+    def __repr__(self) -> str:
+        return (f"StepResult(loss={self.loss:.6g}, stepped={self.stepped}, skipped={self.skipped}, "
+                f"scale={self.scale}, grad_norm={self.grad_norm})")
+
+
+@dataclasses.dataclass
+class TrainStats:
+    """Running optimizer-step and loss-scale counters, kept as ``trainer.stats``."""
+
+    steps: int = 0
+    """optimizer steps that were due, taken or skipped"""
+    skipped: int = 0
+    steps_since_overflow: int = 0
+    scale: float | None = None
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    def _record(self, skipped: bool, scale: float | None) -> None:
+        self.steps += 1
+        self.skipped += skipped
+        self.steps_since_overflow = 0 if skipped else self.steps_since_overflow + 1
+        if scale is not None:
+            self.scale = scale
+            self.min_scale = scale if self.min_scale is None else min(self.min_scale, scale)
+            self.max_scale = scale if self.max_scale is None else max(self.max_scale, scale)
+
+
+class Trainer:
+    """Trains a model with fp32 master weights under a precision policy.
+
+    Args:
+        model: the model; it is moved to ``device`` and passed through ``policy.prepare_model``.
+        optimizer: an optimizer over the model's trainable parameters.
+        precision: a spec for :func:`precisionloop.get_policy` or a policy instance.
+        device: where to train; CUDA when available, else the CPU.
+        loss_fn: ``loss_fn(outputs, targets)``; ``torch.nn.functional.cross_entropy`` by default.
+        scheduler: an LR scheduler, stepped only after optimizer steps that really happened.
+        grad_accum_steps: micro-batches per optimizer step.
+        max_grad_norm: clip the unscaled gradients to this total norm.
+        max_consecutive_skips: raise after this many skipped steps in a row.
+
+    Raises:
+        ValueError: bad arguments, an optimizer that does not hold the model's
+            trainable parameters, fp16/bf16 parameters, or a device that cannot
+            run the precision.
+
+    Example:
+        >>> import torch
+        >>> from precisionloop import Trainer
+        >>> model = torch.nn.Linear(8, 3)
+        >>> trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", device="cpu")
+        >>> result = trainer.step((torch.randn(4, 8), torch.tensor([0, 1, 2, 0])))
+        >>> result.stepped, next(model.parameters()).dtype
+        (True, torch.float32)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: str | int | torch.dtype | PrecisionPolicy = "bf16",
+        *,
+        device: str | torch.device | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        scheduler: Any = None,
+        grad_accum_steps: int = 1,
+        max_grad_norm: float | None = None,
+        max_consecutive_skips: int = 20,
+    ):
+        _check_positive_int("grad_accum_steps", grad_accum_steps)
+        _check_positive_int("max_consecutive_skips", max_consecutive_skips)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("scheduler drives a different optimizer than the one given to the Trainer")
+        self.device = _as_device(device)
+        self.policy = get_policy(precision, self.device)
+        _check_master_weights(model)
+        self._params = _check_optimizer(model, optimizer)
+        self.model = self.policy.prepare_model(model.to(self.device))
+        self._input_format = self.policy.memory_format(self.model)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = self.policy.make_scaler(self.device.type)
+        self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
+        self.grad_accum_steps = grad_accum_steps
+        self.max_grad_norm = max_grad_norm
+        self.max_consecutive_skips = max_consecutive_skips
+        self.stats = TrainStats(scale=self.scaler.get_scale() if self.scaler is not None else None)
+        self._micro = 0  # micro-batches since the last optimizer step
+        self._consecutive_skips = 0
+        self._collapse_warned = False
+        log.info("Trainer on %s with %r", self.device, self.policy)
+
+    def __repr__(self) -> str:
+        return f"Trainer(model={type(self.model).__name__}, device={self.device}, policy={self.policy!r})"
+
+    # The step --------------------------------------------------------------------------
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch; runs under autocast. Override it for other batch shapes."""
+        try:
+            inputs, targets = batch
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"the default compute_loss expects a batch of (inputs, targets), got {type(batch).__name__}; "
+                "override Trainer.compute_loss for other batch shapes"
+            ) from None
+        return self.loss_fn(self.model(inputs), targets)
+
+    def step(self, batch: Any) -> StepResult:
+        """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step."""
+        with self.policy.backend_flags():
+            batch = self.to_device(batch)
+            with self.policy.autocast(self.device.type):
+                loss = self.compute_loss(batch)
+            scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            self._micro += 1
+            if self._micro < self.grad_accum_steps:
+                return StepResult(loss.detach(), stepped=False, skipped=False, scale=self.stats.scale)
+            return self._optimizer_step(loss.detach())
+
+    def flush(self) -> StepResult | None:
+        """Take the optimizer step for an incomplete accumulation window, if one is open.
+
+        The window's gradients are rescaled to the mean over the micro-batches it
+        holds, as if the accumulated batch had simply been smaller.
+        """
+        if self._micro == 0:
+            return None
+        with self.policy.backend_flags():
+            return self._optimizer_step(None)
+
+    def _optimizer_step(self, loss: torch.Tensor | None) -> StepResult:
+        optimizer, scaler = self.optimizer, self.scaler
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+            found_inf = _scaler_found_inf(scaler, optimizer, self.device)
+        else:
+            found_inf = _found_nonfinite(self._params, self.device)
+        if self._micro < self.grad_accum_steps:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            torch._foreach_mul_(grads, self.grad_accum_steps / self._micro)
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+            skipped = bool(found_inf)
+            scale = scaler.get_scale()
+        else:
+            # Without a scaler nothing else guards the weights: this read is the one host sync.
+            skipped = bool(found_inf)
+            if not skipped:
+                optimizer.step()
+            scale = None
+        optimizer.zero_grad(set_to_none=True)
+        self._micro = 0
+        self.stats._record(skipped, scale)
+        if skipped:
+            self._consecutive_skips += 1
+            if self._consecutive_skips >= self.max_consecutive_skips:
+                raise RuntimeError(
+                    f"{self._consecutive_skips} optimizer steps in a row were skipped for non-finite gradients "
+                    f"(at optimizer step {self.stats.steps}, loss scale {scale}); the loss or the model diverged. "
+                    "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'"
+                )
+        else:
+            self._consecutive_skips = 0
+            if self.scheduler is not None:
+                self.scheduler.step()
+        if scale is not None and scale < 1 and not self._collapse_warned:
+            self._collapse_warned = True
+            warnings.warn(
+                f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss scale is "
+                "collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train this model",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if loss is None:
+            loss = torch.full((), float("nan"))
+        return StepResult(loss, stepped=not skipped, skipped=skipped, scale=scale, grad_norm=grad_norm)
+
+    def to_device(self, batch: Any) -> Any:
+        """Move every tensor in a (nested) batch to the device, 4-D float tensors in the model's layout."""
+        if isinstance(batch, torch.Tensor):
+            memory_format = self._input_format if batch.dim() == 4 and batch.is_floating_point() else torch.preserve_format
+            return batch.to(self.device, non_blocking=self.device.type == "cuda", memory_format=memory_format)
+        if isinstance(batch, dict):
+            return {k: self.to_device(v) for k, v in batch.items()}
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+            return type(batch)(*(self.to_device(v) for v in batch))
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self.to_device(v) for v in batch)
+        return batch
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_master_weights(model: nn.Module) -> None:
+    low = [f"{n} ({p.dtype})" for n, p in model.named_parameters() if p.dtype in (torch.float16, torch.bfloat16)]
+    if low:
+        raise ValueError(
+            f"parameters {', '.join(low[:5])}{' ...' if len(low) > 5 else ''} are not fp32; mixed precision keeps "
+            "fp32 master weights and runs low precision through autocast. Call model.float() before building the Trainer"
+        )
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    owned = {id(p) for p in model.parameters()}
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for i, n in trainable.items() if i not in in_optimizer]
+    foreign = len(in_optimizer - owned)
+    if missing or foreign:
+        parts = []
+        if missing:
+            parts.append(f"trainable parameters missing from the optimizer: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if foreign:
+            parts.append(f"{foreign} optimizer tensor(s) that are not parameters of the model")
+        raise ValueError("the optimizer must hold exactly the model's trainable parameters; found " + "; ".join(parts))
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
+    # The scaler's own verdict from unscale_(); correct for fused optimizers too, whose
+    # step() always runs and skips on the device.
+    per_device = scaler._found_inf_per_device(optimizer)
+    return sum((t.to(device) for t in per_device.values()), torch.zeros((), device=device))
+
+
+def _found_nonfinite(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad._values() if p.grad.is_sparse else p.grad
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    found = torch.zeros((), device=device)
+    for (dev, _), grads in groups.items():
+        found_dev = torch.zeros(1, device=dev)
+        # The fused check GradScaler uses, with an inverse scale of 1 so the gradients are untouched.
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_dev, torch.ones(1, device=dev))
+        found += found_dev.to(device).squeeze()
+    return found

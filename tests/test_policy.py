@@ -1,0 +1,196 @@
+import contextlib
+import dataclasses
+import logging
+
+import pytest
+import torch
+from conftest import batches, tiny_cnn, tiny_mlp
+from torch import nn
+
+import precisionloop
+from precisionloop import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, get_policy
+from precisionloop import policy as policy_mod
+
+
+@pytest.mark.parametrize(
+    "spec, name",
+    [
+        ("fp32", "fp32"), ("FP32", "fp32"), ("float32", "fp32"), ("32", "fp32"), (32, "fp32"), (" 32-true ", "fp32"),
+        (torch.float32, "fp32"),
+        ("tf32", "tf32"), ("TF32", "tf32"),
+        ("bf16", "bf16"), ("BFloat16", "bf16"), ("bf16-mixed", "bf16"), (torch.bfloat16, "bf16"),
+        ("fp16", "fp16"), ("float16", "fp16"), ("half", "fp16"), ("HALF", "fp16"), ("16", "fp16"), (16, "fp16"),
+        ("16-mixed", "fp16"), (torch.float16, "fp16"),
+    ],
+)
+def test_name_table(spec, name):
+    assert get_policy(spec).name == name
+
+
+def test_table_semantics():
+    strict, tf32 = get_policy("fp32"), get_policy("tf32")
+    assert isinstance(strict, FP32Policy) and not strict.tf32
+    assert isinstance(tf32, FP32Policy) and tf32.tf32
+    assert get_policy("bf16").compute_dtype == torch.bfloat16 and get_policy("bf16").tf32
+    assert get_policy("fp16").compute_dtype == torch.float16 and get_policy("fp16").tf32
+    assert get_policy("fp16").make_scaler("cpu").get_scale() == 2.0**16
+    assert get_policy("bf16").make_scaler("cpu") is None and get_policy("fp32").make_scaler("cpu") is None
+
+
+def test_instance_passes_through():
+    policy = FP16Policy(init_scale=8.0)
+    assert get_policy(policy) is policy
+
+
+@pytest.mark.parametrize("bad", ["fp8", "bf16-true", "int8", "", 64, True, None, 3.5, torch.float64])
+def test_unknown_precision_names_value_and_options(bad):
+    with pytest.raises(ValueError) as info:
+        get_policy(bad)
+    message = str(info.value)
+    assert repr(bad) in message
+    for valid in ("fp32", "tf32", "bf16", "fp16", "auto"):
+        assert valid in message
+
+
+def test_policies_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        BF16Policy().tf32 = False
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(init_scale=0.0), dict(growth_factor=1.0), dict(backoff_factor=1.0), dict(backoff_factor=0.0),
+               dict(growth_interval=0), dict(growth_interval=2.5)]
+)
+def test_fp16_policy_rejects_bad_scaler_args(kwargs):
+    (key, value), = kwargs.items()
+    with pytest.raises(ValueError, match=key):
+        FP16Policy(**kwargs)
+
+
+def test_auto_on_cpu_is_visible(caplog):
+    with caplog.at_level(logging.INFO, logger="precisionloop"):
+        policy = get_policy("auto", "cpu")
+    expected = "bf16" if policy_mod._cpu_bf16_native() else "tf32"
+    assert policy.name == expected
+    assert "auto" in repr(policy)
+    assert any("auto" in r.getMessage() and expected in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("capability, name", [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp16"), ((6, 1), "fp16")])
+def test_auto_on_cuda_follows_native_bf16(monkeypatch, capability, name):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.version, "hip", None)
+    policy = policy_mod._auto_policy(torch.device("cuda", 0))
+    assert policy.name == name
+    assert "Fake GPU" in policy.note
+
+
+def test_bf16_on_old_cuda_gpu_suggests_fp16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(ValueError, match="fp16") as info:
+        policy_mod._check_device_support(BF16Policy(), torch.device("cuda", 0))
+    assert "7.0" in str(info.value) and "V100" in str(info.value)
+    policy_mod._check_device_support(FP16Policy(), torch.device("cuda", 0))  # fp16 is fine there
+
+
+def test_fp16_on_cpu_warns_at_construction():
+    model = tiny_mlp()
+    with pytest.warns(UserWarning, match="slow"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16", device="cpu")
+
+
+def _flags():
+    return policy_mod._read_flags()
+
+
+@pytest.mark.parametrize("policy", [FP32Policy(), FP32Policy(tf32=True), BF16Policy(), FP16Policy(cudnn_benchmark=False)])
+def test_backend_flags_set_and_restored(policy):
+    outside = (policy_mod._tf32_flags(not policy.tf32), not policy.tf32)
+    policy_mod._write_flags(*outside)
+    try:
+        with policy.backend_flags():
+            inside = _flags()
+        assert inside[0] == policy_mod._tf32_flags(policy.tf32)
+        expected_benchmark = policy.tf32 if policy.cudnn_benchmark is None else policy.cudnn_benchmark
+        assert inside[1] is expected_benchmark
+        assert _flags() == outside
+        with pytest.raises(KeyError), policy.backend_flags():
+            raise KeyError("boom")
+        assert _flags() == outside
+    finally:
+        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+
+
+class Probe(nn.Module):
+    """Records the autocast state and flags seen inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.seen = []
+
+    def forward(self, x):
+        out = self.linear(x)
+        self.seen.append(dict(
+            autocast=torch.is_autocast_enabled("cpu"),
+            out_dtype=out.dtype,
+            benchmark=torch.backends.cudnn.benchmark,
+            tf32=policy_mod._read_flags()[0],
+        ))
+        return out
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("tf32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_autocast_dtype_inside_forward_and_fp32_after(precision, dtype):
+    model = Probe()
+    with pytest.warns(UserWarning) if precision == "fp16" else contextlib.nullcontext():
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", grad_accum_steps=2)
+    before = _flags()
+    trainer.step(batches(1)[0])
+    seen = model.seen[-1]
+    assert seen["out_dtype"] == dtype
+    assert seen["autocast"] is (dtype != torch.float32)
+    assert seen["tf32"] == policy_mod._tf32_flags(trainer.policy.tf32)
+    assert _flags() == before, "flags leaked out of the step"
+    for p in model.parameters():
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+
+
+def test_fp32_policy_disables_an_outer_autocast():
+    model = Probe()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trainer.step(batches(1)[0])
+    assert model.seen[-1]["out_dtype"] == torch.float32
+
+
+class LayoutProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_cnn()
+        self.input_channels_last = None
+
+    def forward(self, x):
+        self.input_channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        return self.net(x)
+
+
+@pytest.mark.parametrize("channels_last", [None, True, False])
+def test_channels_last_layout_for_conv_models(channels_last):
+    model = LayoutProbe()
+    policy = BF16Policy(channels_last=channels_last)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
+    trainer.step((torch.randn(2, 3, 8, 8), torch.tensor([0, 1])))
+    conv_weight = model.net[0].weight
+    want = channels_last is True  # None means CUDA only
+    assert model.input_channels_last is want
+    assert (conv_weight.is_contiguous(memory_format=torch.channels_last) and not conv_weight.is_contiguous()) is want
+
+
+def test_public_api_is_explicit():
+    for name in precisionloop.__all__:
+        assert hasattr(precisionloop, name)
+    assert issubclass(FP16Policy, PrecisionPolicy) and issubclass(BF16Policy, PrecisionPolicy)

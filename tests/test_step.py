@@ -1,0 +1,315 @@
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import batches, tiny_mlp
+from torch import nn
+
+from precisionloop import BF16Policy, FP16Policy, FP32Policy, Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hand_loop(model, data, dtype, max_grad_norm, init_scale=2.0**16):
+    """The canonical torch.amp recipe, written out by hand."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=dtype == torch.float16)
+    for x, y in data:
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        if max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    return scaler
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp16-overflowing"])
+def test_equals_hand_written_amp_loop(precision, max_grad_norm):
+    data = batches(6)
+    init_scale = 2.0**100 if precision == "fp16-overflowing" else 2.0**16
+    dtype = DTYPES[precision.split("-")[0]]
+    reference = tiny_mlp()
+    ref_scaler = hand_loop(reference, data, dtype, max_grad_norm, init_scale)
+
+    model = tiny_mlp()
+    policy = {"fp32": FP32Policy(), "bf16": BF16Policy(), "fp16": FP16Policy(init_scale=init_scale)}[precision.split("-")[0]]
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), policy,
+                      device="cpu", max_grad_norm=max_grad_norm)
+    results = [trainer.step(b) for b in data]
+
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    if dtype == torch.float16:
+        assert trainer.scaler.get_scale() == ref_scaler.get_scale()
+        if precision == "fp16-overflowing":
+            assert results[0].skipped and trainer.stats.skipped > 0
+    assert all(r.grad_norm is not None for r in results) is (max_grad_norm is not None)
+
+
+def test_clipping_uses_unscaled_gradients():
+    data = batches(1)
+    model, reference = tiny_mlp(), tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16", device="cpu", max_grad_norm=1e9)
+    result = trainer.step(data[0])
+    x, y = data[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in reference.parameters()]))
+    assert result.grad_norm == pytest.approx(float(expected), rel=1e-3)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_accumulation_equals_one_large_batch(precision):
+    (x, y), = batches(1, batch_size=8)
+    big, small = tiny_mlp(), tiny_mlp()
+    Trainer(big, torch.optim.SGD(big.parameters(), lr=0.5), precision, device="cpu").step((x, y))
+    trainer = Trainer(small, torch.optim.SGD(small.parameters(), lr=0.5), precision, device="cpu", grad_accum_steps=4)
+    results = [trainer.step((x[i:i + 2], y[i:i + 2])) for i in range(0, 8, 2)]
+    assert [r.stepped for r in results] == [False, False, False, True]
+    tol = dict(atol=1e-6, rtol=1e-5) if precision == "fp32" else dict(atol=2e-3, rtol=1e-2)
+    for p, q in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(p, q, **tol)
+
+
+def test_flush_steps_a_partial_window_as_its_mean():
+    (x, y), = batches(1, batch_size=6)
+    big, small = tiny_mlp(), tiny_mlp()
+    Trainer(big, torch.optim.SGD(big.parameters(), lr=0.5), "fp32", device="cpu").step((x, y))
+    trainer = Trainer(small, torch.optim.SGD(small.parameters(), lr=0.5), "fp32", device="cpu", grad_accum_steps=4)
+    assert trainer.flush() is None
+    for i in range(0, 6, 2):
+        assert not trainer.step((x[i:i + 2], y[i:i + 2])).stepped
+    assert trainer.flush().stepped
+    assert trainer.flush() is None
+    for p, q in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+class Poison:
+    """A gradient hook that replaces one parameter's gradient with inf or NaN while armed."""
+
+    def __init__(self, param, value=float("inf")):
+        self.armed = False
+        self.value = value
+        param.register_hook(lambda g: torch.full_like(g, self.value) if self.armed else g)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_injected_inf_skips_the_step(precision, fused):
+    model = tiny_mlp()
+    poison = Poison(model[0].weight)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    trainer = Trainer(model, optimizer, precision, device="cpu", scheduler=scheduler)
+    data = batches(3)
+    trainer.step(data[0])
+    lr, scale = optimizer.param_groups[0]["lr"], trainer.scaler.get_scale() if trainer.scaler else None
+    before = copy.deepcopy(model.state_dict())
+    adam_steps = float(optimizer.state[model[2].weight]["step"])
+
+    poison.armed = True
+    result = trainer.step(data[1])
+    assert result.skipped and not result.stepped
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed on a skipped step"
+    assert optimizer.param_groups[0]["lr"] == lr, "scheduler advanced on a skipped step"
+    assert float(optimizer.state[model[2].weight]["step"]) == adam_steps
+    if precision == "fp16":
+        assert result.scale == scale * 0.5
+    else:
+        assert result.scale is None
+    assert trainer.stats.skipped == 1 and trainer.stats.steps == 2 and trainer.stats.steps_since_overflow == 0
+
+    poison.armed = False
+    result = trainer.step(data[2])
+    assert result.stepped and not result.skipped
+    assert optimizer.param_groups[0]["lr"] == lr * 0.5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert trainer.stats.steps_since_overflow == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_nan_without_scaler_is_skipped(precision):
+    model = tiny_mlp()
+    poison = Poison(model[2].bias, float("nan"))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu")
+    before = copy.deepcopy(model.state_dict())
+    poison.armed = True
+    assert trainer.step(batches(1)[0]).skipped
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_scale_grows_after_growth_interval():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), FP16Policy(init_scale=256.0, growth_interval=3), device="cpu")
+    scales = [trainer.step(b).scale for b in batches(7)]
+    assert scales == [256.0, 256.0, 512.0, 512.0, 512.0, 1024.0, 1024.0]
+    assert trainer.stats.min_scale == 256.0 and trainer.stats.max_scale == 1024.0
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_consecutive_skips_raise(precision):
+    model = tiny_mlp()
+    Poison(model[0].bias).armed = True
+    poison = Poison(model[0].weight)
+    poison.armed = True
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", max_consecutive_skips=3)
+    data = batches(3)
+    trainer.step(data[0])
+    trainer.step(data[1])
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row") as info:
+        trainer.step(data[2])
+    assert "optimizer step 3" in str(info.value)
+    assert ("loss scale 8192" in str(info.value)) is (precision == "fp16")
+
+
+def test_collapse_warning_given_once():
+    model = tiny_mlp()
+    poison = Poison(model[0].weight)
+    poison.armed = True
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(init_scale=4.0), device="cpu")
+    data = batches(1)[0]
+    trainer.step(data)
+    trainer.step(data)  # scale 1.0: not yet below 1
+    with pytest.warns(RuntimeWarning, match="collapsing"):
+        trainer.step(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        trainer.step(data)
+    assert trainer.stats.min_scale == 0.25
+
+
+def test_step_result_is_unscaled_undivided_loss():
+    (x, y), = batches(1)
+    model = tiny_mlp()
+    with torch.no_grad():
+        expected = float(nn.functional.cross_entropy(copy.deepcopy(model)(x), y))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", grad_accum_steps=2)
+    result = trainer.step((x, y))
+    assert result.loss == pytest.approx(expected, rel=1e-6)
+    assert not result.stepped and not result.skipped and result.grad_norm is None
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 1)
+
+    def forward(self, a, b):
+        return self.linear(a + b).squeeze(-1)
+
+
+class RegressionTrainer(Trainer):
+    def compute_loss(self, batch):
+        return nn.functional.mse_loss(self.model(batch["a"], batch["b"]), batch["y"])
+
+
+def test_compute_loss_override_for_other_batch_shapes():
+    model = TwoInputs()
+    trainer = RegressionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
+    batch = {"a": torch.randn(4, 16), "b": torch.randn(4, 16), "y": torch.randn(4)}
+    assert trainer.step(batch).stepped
+
+
+def test_default_compute_loss_names_the_override():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    with pytest.raises(TypeError, match="compute_loss"):
+        trainer.step(torch.randn(4, 16))
+
+
+def test_bad_input_at_construction():
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="missing from the optimizer.*0.weight"):
+        Trainer(model, torch.optim.SGD(list(model.parameters())[1:], lr=0.1), device="cpu")
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        Trainer(model, torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(2))], lr=0.1), device="cpu")
+    half = tiny_mlp().half()
+    with pytest.raises(ValueError, match=r"0.weight \(torch.float16\).*model.float\(\)"):
+        Trainer(half, torch.optim.SGD(half.parameters(), lr=0.1), device="cpu")
+    with pytest.raises(ValueError, match="'fp8'"):
+        Trainer(model, opt, "fp8", device="cpu")
+    for kwargs, key in [(dict(grad_accum_steps=0), "grad_accum_steps"), (dict(grad_accum_steps=1.5), "grad_accum_steps"),
+                        (dict(max_consecutive_skips=0), "max_consecutive_skips"), (dict(max_grad_norm=-1.0), "max_grad_norm"),
+                        (dict(device="tpu9"), "device")]:
+        with pytest.raises(ValueError, match=key):
+            Trainer(model, opt, "fp32", **{"device": "cpu", **kwargs})
+    other = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="scheduler"):
+        Trainer(model, opt, device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_is_an_error():
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cuda")
+
+
+def test_frozen_parameters_may_stay_out_of_the_optimizer():
+    model = tiny_mlp()
+    model[0].requires_grad_(False)
+    trainer = Trainer(model, torch.optim.SGD(model[2].parameters(), lr=0.1), "bf16", device="cpu")
+    frozen = model[0].weight.clone()
+    assert trainer.step(batches(1)[0]).stepped
+    assert torch.equal(model[0].weight, frozen)
+
+
+class CountingPolicy(FP16Policy):
+    """A custom-hardware style policy: its own name, scaler and autocast bookkeeping."""
+
+    name = "counting-fp16"
+
+    def autocast(self, device_type):
+        object.__setattr__(self, "calls", getattr(self, "calls", 0) + 1)
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+
+    def make_scaler(self, device_type):
+        return torch.amp.GradScaler(device_type, init_scale=4.0, growth_interval=1)
+
+    def prepare_model(self, model):
+        model.prepared_by = self.name
+        return model
+
+
+def test_custom_policy_subclass_is_honoured():
+    model = Probe16()
+    policy = CountingPolicy()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
+    assert trainer.policy is policy and model.prepared_by == "counting-fp16"
+    results = [trainer.step(b) for b in batches(2)]
+    assert policy.calls == 2
+    assert model.dtypes == [torch.bfloat16, torch.bfloat16]
+    assert [r.scale for r in results] == [8.0, 16.0]
+
+
+class Probe16(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.dtypes = []
+
+    def forward(self, x):
+        out = self.linear(x)
+        self.dtypes.append(out.dtype)
+        return out
+
+
+def test_no_deprecated_amp_warnings():
+    model = tiny_mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(), device="cpu")
+        trainer.step(batches(1)[0])
