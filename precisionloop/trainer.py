@@ -18,7 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class StepResult:
-    """What one call to :meth:`Trainer.step` did; tensor values reach the host only when read.
+    """What one call to :meth:`Trainer.step` did; its values reach the host only when read.
+
+    Reading a field copies it from the device, which waits for the step to finish:
+    read only what you need, and not every step if speed matters.
 
     Attributes:
         loss: the micro-batch's loss, unscaled and not divided by ``grad_accum_steps``.
@@ -28,25 +31,40 @@ class StepResult:
         grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
     """
 
-    __slots__ = ("_loss", "_grad_norm", "stepped", "skipped", "scale")
+    __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "due")
 
-    def __init__(self, loss: torch.Tensor, *, stepped: bool, skipped: bool, scale: float | None, grad_norm: torch.Tensor | None = None):
-        self._loss: torch.Tensor | float = loss
-        self._grad_norm: torch.Tensor | float | None = grad_norm
-        self.stepped = stepped
-        self.skipped = skipped
-        self.scale = scale
+    def __init__(self, loss, *, due: bool, found_inf=None, scale=None, grad_norm=None):
+        self._loss = loss
+        self._found_inf = found_inf
+        self._scale = scale
+        self._grad_norm = grad_norm
+        self.due = due  # an optimizer step was due at this micro-batch
+
+    @staticmethod
+    def _host(value):
+        return value.item() if isinstance(value, torch.Tensor) else value
 
     @property
     def loss(self) -> float:
-        if isinstance(self._loss, torch.Tensor):
-            self._loss = float(self._loss)
+        self._loss = float(self._host(self._loss))
         return self._loss
 
     @property
+    def skipped(self) -> bool:
+        return self.due and bool(self._host(self._found_inf))
+
+    @property
+    def stepped(self) -> bool:
+        return self.due and not self.skipped
+
+    @property
+    def scale(self) -> float | None:
+        self._scale = self._host(self._scale)
+        return self._scale
+
+    @property
     def grad_norm(self) -> float | None:
-        if isinstance(self._grad_norm, torch.Tensor):
-            self._grad_norm = float(self._grad_norm)
+        self._grad_norm = self._host(self._grad_norm)
         return self._grad_norm
 
     def __repr__(self) -> str:
@@ -137,10 +155,13 @@ class Trainer:
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self.max_consecutive_skips = max_consecutive_skips
-        self.stats = TrainStats(scale=self.scaler.get_scale() if self.scaler is not None else None)
+        self._last_scale = self.scaler.get_scale() if self.scaler is not None else None
+        self._stats = TrainStats(scale=self._last_scale)
+        self._pending: tuple[torch.Tensor, Any] | None = None  # the last step's verdict, not yet read
         self._micro = 0  # micro-batches since the last optimizer step
         self._consecutive_skips = 0
         self._collapse_warned = False
+        self._ones: dict[torch.device, torch.Tensor] = {}
         log.info("Trainer on %s with %r", self.device, self.policy)
 
     def __repr__(self) -> str:
@@ -160,7 +181,13 @@ class Trainer:
         return self.loss_fn(self.model(inputs), targets)
 
     def step(self, batch: Any) -> StepResult:
-        """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step."""
+        """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.
+
+        No host sync happens here unless the optimizer forces one: a non-fused optimizer
+        under fp16 (``GradScaler.step`` reads the inf check) or under fp32/bf16 (the skip
+        decision is made on the host). With a fused optimizer the skip happens on the
+        device, and the step's verdict is read one optimizer step later.
+        """
         with self.policy.backend_flags():
             batch = self.to_device(batch)
             with self.policy.autocast(self.device.type):
@@ -169,7 +196,7 @@ class Trainer:
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             self._micro += 1
             if self._micro < self.grad_accum_steps:
-                return StepResult(loss.detach(), stepped=False, skipped=False, scale=self.stats.scale)
+                return StepResult(loss.detach(), due=False, scale=self._last_scale)
             return self._optimizer_step(loss.detach())
 
     def flush(self) -> StepResult | None:
@@ -181,15 +208,26 @@ class Trainer:
         if self._micro == 0:
             return None
         with self.policy.backend_flags():
-            return self._optimizer_step(None)
+            return self._optimizer_step(torch.full((), float("nan")))
 
-    def _optimizer_step(self, loss: torch.Tensor | None) -> StepResult:
+    @property
+    def stats(self) -> TrainStats:
+        """Optimizer-step and loss-scale counters, brought up to date (this waits for the last step).
+
+        Raises:
+            RuntimeError: the last steps hit ``max_consecutive_skips``.
+        """
+        self._settle()
+        return self._stats
+
+    def _optimizer_step(self, loss: torch.Tensor) -> StepResult:
+        self._settle()  # the previous step's verdict, so the scheduler is right for this one
         optimizer, scaler = self.optimizer, self.scaler
         if scaler is not None:
             scaler.unscale_(optimizer)
-            found_inf = _scaler_found_inf(scaler, optimizer, self.device)
+            found_inf = _scaler_found_inf(scaler, optimizer)
         else:
-            found_inf = _found_nonfinite(self._params, self.device)
+            found_inf = self._found_nonfinite()
         if self._micro < self.grad_accum_steps:
             grads = [p.grad for p in self._params if p.grad is not None]
             torch._foreach_mul_(grads, self.grad_accum_steps / self._micro)
@@ -199,23 +237,51 @@ class Trainer:
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
-            skipped = bool(found_inf)
-            scale = scaler.get_scale()
+            verdict = torch.cat([found_inf.reshape(1).float(), scaler._get_scale_async().reshape(1).float()])
         else:
-            # Without a scaler nothing else guards the weights: this read is the one host sync.
-            skipped = bool(found_inf)
-            if not skipped:
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                # Fused optimizers take the inf check as a tensor and skip on the device (the
+                # same contract GradScaler uses), so no host sync is needed.
+                optimizer.grad_scale, optimizer.found_inf = None, found_inf
+                try:
+                    optimizer.step()
+                finally:
+                    del optimizer.grad_scale, optimizer.found_inf
+            elif not found_inf.item():  # nothing else guards the weights: the one host sync
                 optimizer.step()
-            scale = None
+            verdict = found_inf.reshape(1).float()
         optimizer.zero_grad(set_to_none=True)
         self._micro = 0
-        self.stats._record(skipped, scale)
+        host = verdict.to("cpu", non_blocking=True)
+        event = None
+        if verdict.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = (host, event)
+        if scaler is not None:
+            self._last_scale = verdict[1]
+        if event is None:
+            self._settle()
+        return StepResult(loss, due=True, found_inf=verdict[0], scale=self._last_scale, grad_norm=grad_norm)
+
+    def _settle(self) -> None:
+        """Book the last optimizer step's verdict: counters, scheduler, skip limit, collapse warning."""
+        if self._pending is None:
+            return
+        host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()  # waits for that step only, not for work queued since
+        values = host.tolist()
+        skipped = bool(values[0])
+        scale = values[1] if len(values) > 1 else None
+        self._stats._record(skipped, scale)
         if skipped:
             self._consecutive_skips += 1
             if self._consecutive_skips >= self.max_consecutive_skips:
                 raise RuntimeError(
                     f"{self._consecutive_skips} optimizer steps in a row were skipped for non-finite gradients "
-                    f"(at optimizer step {self.stats.steps}, loss scale {scale}); the loss or the model diverged. "
+                    f"(at optimizer step {self._stats.steps}, loss scale {scale}); the loss or the model diverged. "
                     "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'"
                 )
         else:
@@ -225,14 +291,29 @@ class Trainer:
         if scale is not None and scale < 1 and not self._collapse_warned:
             self._collapse_warned = True
             warnings.warn(
-                f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss scale is "
+                f"the loss scale fell to {scale:g} (below 1) at optimizer step {self._stats.steps}: the loss scale is "
                 "collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train this model",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-        if loss is None:
-            loss = torch.full((), float("nan"))
-        return StepResult(loss, stepped=not skipped, skipped=skipped, scale=scale, grad_norm=grad_norm)
+
+    def _found_nonfinite(self) -> torch.Tensor:
+        """1.0 on the device if any gradient holds an inf or NaN, else 0.0; no host sync."""
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in self._params:
+            if p.grad is not None:
+                g = p.grad._values() if p.grad.is_sparse else p.grad
+                groups.setdefault((g.device, g.dtype), []).append(g)
+        found = torch.zeros((), device=self.device)
+        for (device, _), grads in groups.items():
+            if device not in self._ones:
+                self._ones[device] = torch.ones((), device=device)
+            found_here = found if device == self.device else torch.zeros((), device=device)
+            # GradScaler's fused check, with an inverse scale of 1 so the gradients are untouched.
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, self._ones[device])
+            if found_here is not found:
+                found += found_here.to(self.device)
+        return found
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the device, 4-D float tensors in the model's layout."""
@@ -278,23 +359,8 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
-    # The scaler's own verdict from unscale_(); correct for fused optimizers too, whose
-    # step() always runs and skips on the device.
-    per_device = scaler._found_inf_per_device(optimizer)
-    return sum((t.to(device) for t in per_device.values()), torch.zeros((), device=device))
-
-
-def _found_nonfinite(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            g = p.grad._values() if p.grad.is_sparse else p.grad
-            groups.setdefault((g.device, g.dtype), []).append(g)
-    found = torch.zeros((), device=device)
-    for (dev, _), grads in groups.items():
-        found_dev = torch.zeros(1, device=dev)
-        # The fused check GradScaler uses, with an inverse scale of 1 so the gradients are untouched.
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_dev, torch.ones(1, device=dev))
-        found += found_dev.to(device).squeeze()
-    return found
+def _scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    # The scaler's own verdict from unscale_(); right for fused optimizers too, whose step()
+    # always runs and skips on the device.
+    found = list(scaler._found_inf_per_device(optimizer).values())
+    return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()

@@ -1,0 +1,1 @@
+"""Runnable recipes that ship with the package: `python -m precisionloop.recipes.<name>`."""

@@ -1,0 +1,354 @@
+"""Time training steps of a torchvision model under each precision policy, with peak memory.
+
+Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. The Trainer's own
+``step`` is what is timed; a hand-written torch.amp loop with identical settings runs beside it
+in the same process, and the ratio of the two is the wrapper's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import difflib
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torchvision
+from torch import nn
+from tqdm import tqdm
+
+from precisionloop import Trainer, get_policy
+from precisionloop.policy import PrecisionPolicy
+
+ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+BASELINE = "tf32"
+
+
+@dataclasses.dataclass
+class Result:
+    system: str
+    precision: str
+    batch_size: int
+    median_ms: float | None
+    p10_ms: float | None
+    p90_ms: float | None
+    peak_mb: float | None
+    skipped: int = 0
+    error: str | None = None
+
+
+def environment(device: torch.device) -> dict:
+    """What the numbers were measured on."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+    }
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"CPU: {line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
+    except OSError:
+        pass
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def build_model(name: str) -> nn.Module:
+    """A randomly initialised torchvision classification model by name."""
+    names = torchvision.models.list_models(module=torchvision.models)
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see torchvision.models.list_models()"
+        raise SystemExit(f"--model {name!r} is not a torchvision classification model{hint}")
+    return torchvision.models.get_model(name, weights=None)
+
+
+def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device) -> list[float]:
+    """Run ``warmup`` untimed steps, then return ``iters`` per-step times in milliseconds.
+
+    On CUDA the peak-memory counter restarts after the warm-up, so cuDNN's one-off
+    autotuning workspace does not count as the step's memory.
+    """
+    for _ in range(warmup):
+        step()
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def make_optimizer(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
+    """SGD with momentum 0.9, the same for every system timed."""
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **({"fused": True} if fused else {}))
+
+
+def hand_loop_step(model: nn.Module, batch, policy: PrecisionPolicy, device: torch.device, fused: bool) -> Callable[[], None]:
+    """The canonical torch.amp step, written out by hand, for the wrapper-cost comparison."""
+    optimizer = make_optimizer(model, fused)
+    dtype = policy.compute_dtype
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    inputs, targets = batch
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def random_batch(batch_size: int, image_size: int, device: torch.device, num_classes: int = 1000):
+    g = torch.Generator(device="cpu").manual_seed(batch_size)
+    inputs = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+    targets = torch.randint(0, num_classes, (batch_size,), generator=g)
+    return inputs.to(device), targets.to(device)
+
+
+def _reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mb(device: torch.device) -> float | None:
+    # The CPU has no per-configuration peak that torch can report; say so instead of guessing.
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def measure(system: str, precision: str, policy: PrecisionPolicy, batch_size: int, args, device: torch.device) -> Result:
+    """Time one configuration: ``system`` is "precisionloop" (the Trainer) or "hand" (the hand loop)."""
+    _reset_memory(device)
+    model = build_model(args.model)
+    trainer = Trainer(model, make_optimizer(model, args.fused), policy, device=device)
+    batch = trainer.to_device(random_batch(batch_size, args.image_size, device))
+    if system == "precisionloop":
+        step = lambda: trainer.step(batch)  # noqa: E731
+    else:
+        step = hand_loop_step(trainer.model, batch, policy, device, args.fused)
+    with policy.backend_flags():
+        times = time_steps(step, iters=args.iters, warmup=args.warmup, device=device)
+    result = Result(system, precision, batch_size, statistics.median(times), *_percentiles(times),
+                    peak_mb=_peak_mb(device), skipped=trainer.stats.skipped)
+    del model, trainer, batch, step
+    return result
+
+
+def _percentiles(times: list[float]) -> tuple[float, float]:
+    if len(times) < 2:
+        return times[0], times[0]
+    deciles = statistics.quantiles(times, n=10)
+    return deciles[0], deciles[-1]
+
+
+def format_table(results: list[Result], system: str, precisions: list[str], batch_sizes: list[int]) -> str:
+    """The seed's layout: a row per batch size, a column per precision, cells "ms / MB"."""
+    cell = {(r.batch_size, r.precision): r for r in results if r.system == system}
+    width = 17
+    lines = [f"{'batch':>7} | " + " | ".join(f"{p:>{width}}" for p in precisions)]
+    for bs in batch_sizes:
+        row = []
+        for p in precisions:
+            r = cell.get((bs, p))
+            if r is None:
+                row.append(f"{'-':>{width}}")
+            elif r.error:
+                row.append(f"{'error':>{width}}")
+            else:
+                mem = f"{r.peak_mb:.0f} MB" if r.peak_mb is not None else "n/a"
+                row.append(f"{f'{r.median_ms:.1f} ms / {mem}':>{width}}")
+        lines.append(f"{bs:>7} | " + " | ".join(row))
+        base = cell.get((bs, BASELINE))
+        if base is not None and not base.error:
+            row = []
+            for p in precisions:
+                r = cell.get((bs, p))
+                if r is None or r.error:
+                    row.append(f"{'':>{width}}")
+                    continue
+                saved = f", mem {100 * (r.peak_mb / base.peak_mb - 1):+.0f}%" if r.peak_mb and base.peak_mb else ""
+                row.append(f"{f'{base.median_ms / r.median_ms:.2f}x{saved}':>{width}}")
+            lines.append(f"{'vs ' + BASELINE:>7} | " + " | ".join(row))
+    return "\n".join(lines)
+
+
+def format_wrapper_cost(results: list[Result]) -> str:
+    hand = {(r.batch_size, r.precision): r for r in results if r.system == "hand" and not r.error}
+    parts = []
+    for r in results:
+        h = hand.get((r.batch_size, r.precision))
+        if r.system == "precisionloop" and h is not None and not r.error:
+            parts.append(f"batch {r.batch_size} {r.precision}: {r.median_ms / h.median_ms:.3f}x ({r.median_ms:.2f} vs {h.median_ms:.2f} ms)")
+    return "wrapper cost, Trainer.step / hand-written torch.amp loop:\n  " + "\n  ".join(parts) if parts else ""
+
+
+def write_plot(results: list[Result], path: str, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot needs matplotlib, which is not installed; `pip install precisionloop[plot]`. No plot written to {path}.")
+        return
+    rows = [r for r in results if r.system == "precisionloop" and not r.error]
+    batch_sizes = sorted({r.batch_size for r in rows})
+    precisions = list(dict.fromkeys(r.precision for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(len(precisions), 1)
+    for i, p in enumerate(precisions):
+        xs = [j + i * width for j in range(len(batch_sizes))]
+        by_bs = {r.batch_size: r for r in rows if r.precision == p}
+        axes[0].bar(xs, [by_bs[b].median_ms if b in by_bs else 0 for b in batch_sizes], width, label=p)
+        axes[1].bar(xs, [(by_bs[b].peak_mb or 0) if b in by_bs else 0 for b in batch_sizes], width, label=p)
+    for ax, label in zip(axes, ["median step time (ms)", "peak memory (MB)"]):
+        ax.set_xticks([j + width * (len(precisions) - 1) / 2 for j in range(len(batch_sizes))], [f"batch {b}" for b in batch_sizes])
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m precisionloop.recipes.resnet18_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    p.add_argument("--model", default="resnet18", help="any torchvision classification model (default resnet18)")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 32,128 on CUDA, 8 on the CPU)")
+    p.add_argument("--precisions", default=None, help=f"comma-separated among {','.join(ALL_PRECISIONS)} (default all on CUDA; fp32,tf32,bf16 on the CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per configuration (default 50 on CUDA, 10 on the CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first, for cudnn.benchmark to settle (default 15 on CUDA, 3 on the CPU)")
+    p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default 224 on CUDA, 112 on the CPU)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="force channels_last on or off (default: the policy's choice, on for CUDA)")
+    p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused SGD for every system (default: on for CUDA); fused optimizers let a skipped step be "
+                        "decided on the device, so neither the Trainer nor GradScaler needs a host sync per step")
+    p.add_argument("--no-hand-loop", action="store_true", help="skip the hand-written loop (no wrapper-cost figures)")
+    p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG chart here (needs matplotlib)")
+    args = p.parse_args(argv)
+    try:
+        device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError:
+        p.error(f"--device {args.device!r} is not a device; use cuda, cuda:N or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device} was requested but CUDA is not available; use --device cpu")
+    cuda = device.type == "cuda"
+    args.device = device
+    args.notes = []
+    if args.precisions is None:
+        args.precisions = ",".join(ALL_PRECISIONS if cuda else ("fp32", "tf32", "bf16"))
+        if not cuda:
+            args.notes.append("fp16 left out on the CPU by default: its autocast is ~20x slower than fp32 there (ask with --precisions)")
+    args.precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
+    for name in args.precisions:
+        try:
+            get_policy(name)
+        except ValueError as e:
+            p.error(f"--precisions: {e}")
+    if args.fused is None:
+        args.fused = cuda
+    args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or ("32,128" if cuda else "8"))
+    args.iters = args.iters if args.iters is not None else (50 if cuda else 10)
+    args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 3)
+    args.image_size = args.image_size or (224 if cuda else 112)
+    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--image-size", args.image_size, 16)):
+        if value < low:
+            p.error(f"{flag} must be >= {low}, got {value}")
+    if not cuda:
+        args.notes.append(f"CPU run: {args.image_size}x{args.image_size} inputs and {args.iters} timed steps; "
+                          "wall-clock medians; peak memory n/a (torch reports no per-run CPU peak)")
+    return args
+
+
+def _ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    try:
+        values = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"{flag} takes comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        p.error(f"{flag} takes positive integers, got {text!r}")
+    return values
+
+
+def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
+    policy = get_policy(name, args.device)
+    if args.channels_last is not None:
+        policy = dataclasses.replace(policy, channels_last=args.channels_last)
+    return policy
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    args = parse_args(argv)
+    device: torch.device = args.device
+    env = environment(device)
+    header = (
+        f"precisionloop benchmark: {args.model} training steps (forward, backward, {'fused ' if args.fused else ''}SGD momentum 0.9), {env['date']}\n"
+        f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
+        f"input {args.image_size}x{args.image_size}, {args.warmup} warm-up + {args.iters} timed steps, median"
+        f" | channels_last: {'policy default' if args.channels_last is None else args.channels_last}"
+    )
+    print(header)
+    for note in args.notes:
+        print(f"note: {note}")
+    systems = ["precisionloop"] + ([] if args.no_hand_loop else ["hand"])
+    configs = [(s, p, bs) for bs in args.batch_sizes for p in args.precisions for s in systems]
+    results = []
+    for system, precision, bs in tqdm(configs, desc="configurations", file=sys.stderr, leave=False):
+        try:
+            results.append(measure(system, precision, policy_for(precision, args), bs, args, device))
+        except torch.cuda.OutOfMemoryError as e:
+            results.append(Result(system, precision, bs, None, None, None, None, error=f"out of memory: {e}"))
+    print("\nprecisionloop Trainer.step, median ms / peak MB (below each row: speed-up and memory change vs tf32):")
+    print(format_table(results, "precisionloop", args.precisions, args.batch_sizes))
+    if "hand" in systems:
+        print("\nhand-written torch.amp loop, same settings:")
+        print(format_table(results, "hand", args.precisions, args.batch_sizes))
+        print("\n" + format_wrapper_cost(results))
+    for r in results:
+        if r.error:
+            print(f"error: {r.system} {r.precision} batch {r.batch_size}: {r.error.splitlines()[0]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
+                       "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
+        print(f"results written to {args.json}")
+    if args.plot:
+        write_plot(results, args.plot, f"{args.model} on {env['device_name']}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Behaviour on a CUDA device; skipped, with a reason, on machines without one."""
+
+import copy
+
+import pytest
+import torch
+from conftest import batches, tiny_cnn, tiny_mlp
+from torch import nn
+
+from precisionloop import BF16Policy, FP16Policy, Trainer, get_policy
+from precisionloop import policy as policy_mod
+
+pytestmark = pytest.mark.gpu
+
+
+class CudaProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_cnn()
+        self.seen = []
+
+    def forward(self, x):
+        out = self.net[0](x)
+        self.seen.append(dict(dtype=out.dtype, input_channels_last=x.is_contiguous(memory_format=torch.channels_last)
+                              and not x.is_contiguous(), tf32=policy_mod._read_flags()[0], benchmark=torch.backends.cudnn.benchmark))
+        return self.net[1:](out)
+
+
+@pytest.mark.parametrize("precision, dtype", [("tf32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_cuda_autocast_flags_and_channels_last(precision, dtype):
+    model = CudaProbe()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cuda")
+    before = policy_mod._read_flags()
+    x = torch.randn(4, 3, 16, 16)
+    assert trainer.step((x, torch.tensor([0, 1, 2, 3]))).stepped
+    seen = model.seen[-1]
+    assert seen["dtype"] == dtype and seen["input_channels_last"]
+    assert seen["tf32"] == policy_mod._tf32_flags(True) and seen["benchmark"] is True
+    assert policy_mod._read_flags() == before
+    assert model.net[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.dtype == torch.float32 and p.is_cuda for p in model.parameters())
+
+
+def test_auto_picks_bf16_on_a_native_bf16_gpu():
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("this GPU has no native bf16")
+    policy = get_policy("auto", "cuda")
+    assert isinstance(policy, BF16Policy) and "compute capability" in policy.note
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32"])
+def test_cuda_matches_hand_written_loop(precision):
+    data = batches(4)
+    reference, model = tiny_mlp().cuda(), tiny_mlp()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": None}[precision]
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    policy = get_policy(precision)
+    with policy.backend_flags():
+        for x, y in data:
+            with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = nn.functional.cross_entropy(reference(x.cuda()), y.cuda())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), policy, device="cuda")
+    for b in data:
+        trainer.step(b)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_inf_skips_with_fused_and_foreach_adam(fused):
+    model = tiny_mlp()
+    armed = {"on": False}
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if armed["on"] else g)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    trainer = Trainer(model, optimizer, FP16Policy(), device="cuda", scheduler=scheduler)
+    data = batches(2)
+    trainer.step(data[0])
+    before = copy.deepcopy(model.state_dict())
+    armed["on"] = True
+    result = trainer.step(data[1])
+    assert result.skipped and result.scale == 2.0**15
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert optimizer.param_groups[0]["lr"] == 0.005
+
+
+def test_benchmark_recipe_on_cuda(tmp_path):
+    import json
+
+    from precisionloop.recipes import resnet18_bench
+
+    out = tmp_path / "bench.json"
+    resnet18_bench.main(["--batch-sizes", "4", "--iters", "3", "--warmup", "2", "--image-size", "64", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert {r["precision"] for r in results} == {"fp32", "tf32", "bf16", "fp16"}
+    assert all(r["peak_mb"] > 0 and r["median_ms"] > 0 and r["error"] is None for r in results)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "tf32"])
+def test_fused_optimizer_steps_without_host_sync(precision):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), precision, device="cuda",
+                      max_grad_norm=1.0)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
+    trainer.step(data[0])  # the first step creates optimizer state and scaler tensors
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = [trainer.step(b) for b in data[1:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(r.stepped for r in results)
+    assert trainer.stats.steps == 4
+
+
+def test_cuda_verdict_is_booked_by_the_next_step_or_stats():
+    model = tiny_mlp()
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True), "bf16", device="cuda",
+                      max_consecutive_skips=2)
+    data = batches(2)
+    assert trainer.step(data[0]).skipped
+    trainer.step(data[1])  # books step 1; step 2's verdict is still on its way
+    with pytest.raises(RuntimeError, match="2 optimizer steps in a row"):
+        trainer.stats

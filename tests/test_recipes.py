@@ -1,0 +1,46 @@
+import json
+
+import pytest
+
+from precisionloop.recipes import resnet18_bench
+
+TINY = ["--batch-sizes", "2,3", "--iters", "2", "--warmup", "1", "--image-size", "32", "--device", "cpu"]
+
+
+def test_benchmark_recipe_tiny_cpu_run(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    resnet18_bench.main([*TINY, "--json", str(out), "--plot", str(tmp_path / "bench.png")])
+    text = capsys.readouterr().out
+    assert "precisionloop benchmark: resnet18" in text and "torch" in text
+    assert "fp16 left out on the CPU" in text
+    assert "wrapper cost" in text and "n/a" in text
+    data = json.loads(out.read_text())
+    got = {(r["system"], r["precision"], r["batch_size"]) for r in data["results"]}
+    assert got == {(s, p, b) for s in ("precisionloop", "hand") for p in ("fp32", "tf32", "bf16") for b in (2, 3)}
+    assert all(r["peak_mb"] is None and r["median_ms"] > 0 for r in data["results"])
+    assert data["environment"]["torch"]
+
+
+def test_benchmark_recipe_times_the_trainer_step(monkeypatch):
+    from precisionloop import Trainer
+
+    calls = []
+    original = Trainer.step
+    monkeypatch.setattr(Trainer, "step", lambda self, batch: calls.append(1) or original(self, batch))
+    resnet18_bench.main([*TINY, "--batch-sizes", "2", "--precisions", "bf16", "--no-hand-loop"])
+    assert len(calls) == 3  # one warm-up and two timed steps, all through Trainer.step
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--precisions", "fp8"], "fp8"),
+    (["--batch-sizes", "0"], "--batch-sizes"),
+    (["--batch-sizes", "a,b"], "--batch-sizes"),
+    (["--iters", "0"], "--iters"),
+    (["--model", "resnet19"], "resnet18"),
+])
+def test_benchmark_recipe_rejects_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        resnet18_bench.main(["--device", "cpu", *argv])
+    assert info.value.code != 0
+    err = capsys.readouterr().err + str(info.value.code)
+    assert message in err
