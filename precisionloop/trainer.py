@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import time
 import warnings
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
+from . import checkpoint
 from .policy import PrecisionPolicy, _as_device, get_policy
 
 __all__ = ["Trainer", "StepResult", "TrainStats"]
@@ -159,8 +164,13 @@ class Trainer:
         self._stats = TrainStats(scale=self._last_scale)
         self._pending: tuple[torch.Tensor, Any] | None = None  # the last step's verdict, not yet read
         self._micro = 0  # micro-batches since the last optimizer step
+        self.global_step = 0  # optimizer steps taken or skipped
+        self.epoch = 0  # completed epochs
+        self.batch_in_epoch = 0  # micro-batches consumed in the current epoch
+        self._rng_epoch_start: dict | None = None
         self._consecutive_skips = 0
         self._collapse_warned = False
+        self._underflow_every: int | None = None
         self._ones: dict[torch.device, torch.Tensor] = {}
         log.info("Trainer on %s with %r", self.device, self.policy)
 
@@ -169,16 +179,20 @@ class Trainer:
 
     # The step --------------------------------------------------------------------------
 
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch; runs under autocast. Override it for other batch shapes."""
+    def forward_batch(self, batch: Any) -> tuple[Any, Any]:
+        """Run the model on one batch and return ``(outputs, targets)``; override for other batch shapes."""
         try:
             inputs, targets = batch
         except (TypeError, ValueError):
             raise TypeError(
-                f"the default compute_loss expects a batch of (inputs, targets), got {type(batch).__name__}; "
-                "override Trainer.compute_loss for other batch shapes"
+                f"the default forward_batch expects a batch of (inputs, targets), got {type(batch).__name__}; "
+                "override Trainer.forward_batch (or compute_loss) for other batch shapes"
             ) from None
-        return self.loss_fn(self.model(inputs), targets)
+        return self.model(inputs), targets
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        """The loss of one micro-batch; runs under autocast. Override it for other losses or batch shapes."""
+        return self.loss_fn(*self.forward_batch(batch))
 
     def step(self, batch: Any) -> StepResult:
         """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.
@@ -252,6 +266,7 @@ class Trainer:
             verdict = found_inf.reshape(1).float()
         optimizer.zero_grad(set_to_none=True)
         self._micro = 0
+        self.global_step += 1
         host = verdict.to("cpu", non_blocking=True)
         event = None
         if verdict.is_cuda:
@@ -315,6 +330,294 @@ class Trainer:
                 found += found_here.to(self.device)
         return found
 
+    # The loop ----------------------------------------------------------------------------
+
+    def fit(
+        self,
+        train_loader: Iterable,
+        epochs: int = 1,
+        *,
+        val_loader: Iterable | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        max_steps: int | None = None,
+        progress: bool = True,
+        callbacks: Sequence[Any] = (),
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        keep_last: int | None = None,
+        log_every: int = 20,
+        underflow_every: int | None = None,
+    ) -> list[dict]:
+        """Train until ``epochs`` epochs (counting restored ones) or ``max_steps`` optimizer steps.
+
+        An incomplete accumulation window at the end of an epoch is stepped, with its
+        gradients averaged over the micro-batches it holds (see :meth:`flush`).
+
+        Args:
+            train_loader: an iterable of batches, usually a DataLoader.
+            epochs: the total number of epochs, those restored from a checkpoint included.
+            val_loader: batches for validation after every epoch.
+            metrics: torchmetrics ``Metric`` objects by name, computed on ``val_loader``.
+            max_steps: stop after this many optimizer steps in total.
+            progress: show a tqdm bar per epoch; ``False`` prints nothing.
+            callbacks: objects with optional ``on_step_end(trainer, result)`` and
+                ``on_epoch_end(trainer, record)`` methods.
+            checkpoint_dir: where periodic checkpoints go.
+            checkpoint_every: save ``step-NNNNNNNN.pt`` every this many optimizer steps.
+            keep_last: keep only the newest this many periodic checkpoints.
+            log_every: read the loss for the progress bar every this many steps (a host sync).
+            underflow_every: measure gradient underflow every this many optimizer steps
+                (see :mod:`precisionloop.diagnostics`); off by default.
+
+        Returns:
+            One dict per epoch run: ``epoch``, ``train_loss``, ``steps``, ``skipped``,
+            ``time_s``, ``samples_per_s``, ``complete``, the loss-scale counters, and
+            ``val_loss`` plus each metric under its name when ``val_loader`` is given.
+
+        Raises:
+            ValueError: bad arguments.
+        """
+        _check_nonnegative_int("epochs", epochs)
+        for name, value in (("max_steps", max_steps), ("checkpoint_every", checkpoint_every), ("keep_last", keep_last),
+                            ("underflow_every", underflow_every)):
+            if value is not None:
+                _check_positive_int(name, value)
+        _check_positive_int("log_every", log_every)
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+        if keep_last is not None and checkpoint_every is None:
+            raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
+        metrics = _check_metrics(metrics, val_loader)
+        self._underflow_every = underflow_every
+        history = []
+        try:
+            with self.policy.backend_flags():
+                while self.epoch < epochs and not self._reached(max_steps):
+                    record = self._run_epoch(train_loader, epochs, max_steps, progress, callbacks, log_every,
+                                             checkpoint_dir, checkpoint_every, keep_last)
+                    if record["complete"] and val_loader is not None:
+                        record.update(self._validate(val_loader, metrics))
+                    history.append(record)
+                    for cb in callbacks:
+                        if hasattr(cb, "on_epoch_end"):
+                            cb.on_epoch_end(self, record)
+        finally:
+            self._underflow_every = None
+        stats = self.stats
+        if stats.steps:
+            log.info("fit: %d optimizer steps, %d skipped (%.2f%%)%s", stats.steps, stats.skipped,
+                     100 * stats.skipped / stats.steps, f", loss scale {stats.scale:g}" if stats.scale is not None else "")
+        return history
+
+    def _reached(self, max_steps: int | None) -> bool:
+        return max_steps is not None and self.global_step >= max_steps
+
+    def _run_epoch(self, loader, epochs, max_steps, progress, callbacks, log_every, checkpoint_dir, checkpoint_every, keep_last) -> dict:
+        resume_at = self.batch_in_epoch
+        if resume_at == 0 or self._rng_epoch_start is None:
+            # The sampler and the DataLoader draw their seeds from this state when the iterator is made.
+            self._rng_epoch_start = checkpoint.rng_state()
+            resume_at = self.batch_in_epoch = 0
+            resume_rng = None
+        else:
+            resume_rng = checkpoint.rng_state()
+            checkpoint.set_rng_state(self._rng_epoch_start)
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.epoch)
+        iterator = iter(loader)
+        for done in range(resume_at):  # replay the same shuffle up to where the checkpoint stopped
+            if next(iterator, _END) is _END:
+                raise ValueError(f"the checkpoint stopped at batch {resume_at} of epoch {self.epoch + 1}, but this "
+                                 f"train_loader has only {done} batches per epoch; resume with the same data")
+        if resume_rng is not None:
+            checkpoint.set_rng_state(resume_rng)
+        total = len(loader) if hasattr(loader, "__len__") else None
+        bar = tqdm(total=total, initial=resume_at, desc=f"epoch {self.epoch + 1}/{epochs}", disable=not progress,
+                   dynamic_ncols=True, leave=True)
+        steps_before, skipped_before = self.global_step, self._stats.skipped
+        loss_sum, n_losses, samples, start = torch.zeros((), device=self.device), 0, 0, time.perf_counter()
+        complete = True
+        try:
+            for batch in iterator:
+                result = self.step(batch)
+                self.batch_in_epoch += 1
+                loss_sum += result._loss
+                n_losses += 1
+                samples += _batch_size(batch)
+                if progress:
+                    bar.update(1)
+                    if n_losses % log_every == 0:
+                        bar.set_postfix(self._postfix(result), refresh=False)
+                for cb in callbacks:
+                    if hasattr(cb, "on_step_end"):
+                        cb.on_step_end(self, result)
+                if result.due:
+                    if checkpoint_every is not None and self.global_step % checkpoint_every == 0:
+                        self._periodic_save(checkpoint_dir, keep_last)
+                    if self._reached(max_steps):
+                        complete = False
+                        break
+            else:
+                self.flush()
+        finally:
+            bar.close()
+        if complete:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            self._rng_epoch_start = None
+        elapsed = time.perf_counter() - start
+        stats = self.stats
+        return {
+            "epoch": self.epoch if complete else self.epoch + 1,
+            "complete": complete,
+            "train_loss": float(loss_sum) / n_losses if n_losses else float("nan"),
+            "steps": self.global_step - steps_before,
+            "skipped": stats.skipped - skipped_before,
+            "time_s": elapsed,
+            "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
+            **{f"stats_{k}": v for k, v in dataclasses.asdict(stats).items()},
+        }
+
+    def _postfix(self, result: StepResult) -> dict:
+        postfix = {"loss": f"{result.loss:.4g}", "skipped": self._stats.skipped}
+        if self.scaler is not None:
+            postfix["scale"] = f"{result.scale:g}"
+        return postfix
+
+    def _periodic_save(self, directory, keep_last: int | None) -> None:
+        directory = Path(directory)
+        self.save(directory / f"step-{self.global_step:08d}.pt")
+        if keep_last is not None:
+            for old in sorted(directory.glob("step-*.pt"))[:-keep_last]:
+                old.unlink(missing_ok=True)
+
+    def evaluate(self, loader: Iterable, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
+        """Mean loss and each metric over ``loader``, in eval mode, without grad, under the policy's autocast.
+
+        Args:
+            loader: an iterable of batches.
+            metrics: torchmetrics ``Metric`` objects by name; each is reset before and after.
+
+        Returns:
+            ``{"val_loss": mean loss, name: metric value, ...}``.
+        """
+        metrics = _check_metrics(metrics, loader)
+        with self.policy.backend_flags():
+            return self._validate(loader, metrics)
+
+    def _validate(self, loader: Iterable, metrics: dict[str, Any]) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        for metric in metrics.values():
+            metric.to(self.device)
+            metric.reset()
+        loss_sum, count = torch.zeros((), device=self.device), 0
+        try:
+            with torch.no_grad():
+                for batch in loader:
+                    batch = self.to_device(batch)
+                    with self.policy.autocast(self.device.type):
+                        outputs, targets = self.forward_batch(batch)
+                        loss = self.loss_fn(outputs, targets)
+                    n = _batch_size(batch)
+                    loss_sum += loss.float() * n
+                    count += n
+                    if isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+                        outputs = outputs.float()
+                    for metric in metrics.values():
+                        metric.update(outputs, targets)
+            result = {"val_loss": float(loss_sum) / count if count else float("nan")}
+            for name, metric in metrics.items():
+                value = metric.compute()
+                result[name] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else (
+                    value.tolist() if isinstance(value, torch.Tensor) else value)
+                metric.reset()
+            return result
+        finally:
+            self.model.train(was_training)
+
+    # State ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume exactly: model, optimizer, scheduler, scaler, counters and RNGs.
+
+        Raises:
+            RuntimeError: an accumulation window is open (its gradients cannot be saved).
+        """
+        if self._micro:
+            raise RuntimeError(
+                f"cannot save in the middle of an accumulation window ({self._micro} of {self.grad_accum_steps} "
+                "micro-batches done); save after an optimizer step or call flush() first"
+            )
+        self._settle()
+        return {
+            "format": checkpoint.FORMAT,
+            "version": checkpoint.VERSION,
+            "precision": self.policy.name,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "counters": {
+                "global_step": self.global_step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "consecutive_skips": self._consecutive_skips,
+                "collapse_warned": self._collapse_warned,
+            },
+            "stats": dataclasses.asdict(self._stats),
+            "rng": checkpoint.rng_state(),
+            "rng_epoch_start": self._rng_epoch_start,
+        }
+
+    def load_state_dict(self, state: dict, *, source: str = "the checkpoint") -> None:
+        """Restore what :meth:`state_dict` returned, including the RNG states."""
+        if state.get("precision") != self.policy.name:
+            warnings.warn(
+                f"{source} was saved under precision {state.get('precision')!r} and is loaded under "
+                f"{self.policy.name!r}; the loss-scaler state does not carry over between them",
+                UserWarning,
+                stacklevel=3,
+            )
+        self._settle()
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        counters = state["counters"]
+        self.global_step = counters["global_step"]
+        self.epoch = counters["epoch"]
+        self.batch_in_epoch = counters["batch_in_epoch"]
+        self._consecutive_skips = counters["consecutive_skips"]
+        self._collapse_warned = counters["collapse_warned"]
+        self._stats = TrainStats(**state["stats"])
+        if self.scaler is not None:
+            self._last_scale = self.scaler.get_scale()
+            self._stats.scale = self._last_scale
+        self._micro = 0
+        self._rng_epoch_start = state.get("rng_epoch_start")
+        checkpoint.set_rng_state(state["rng"])
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write a checkpoint atomically: ``path`` holds the old file or the whole new one, never half.
+
+        Raises:
+            RuntimeError: an accumulation window is open.
+        """
+        return checkpoint.atomic_save(self.state_dict(), path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Resume from a checkpoint written by :meth:`save`; the next ``fit`` continues where it stopped.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is truncated, corrupt or not a precisionloop checkpoint.
+        """
+        self.load_state_dict(checkpoint.read(path), source=f"checkpoint {path}")
+
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the device, 4-D float tensors in the model's layout."""
         if isinstance(batch, torch.Tensor):
@@ -329,9 +632,45 @@ class Trainer:
         return batch
 
 
+_END = object()
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _check_nonnegative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
+def _check_metrics(metrics: Mapping[str, Any] | None, loader: Iterable | None) -> dict[str, Any]:
+    if not metrics:
+        return {}
+    if loader is None:
+        raise ValueError("metrics are computed on val_loader: pass val_loader too")
+    from torchmetrics import Metric
+
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict of name -> torchmetrics.Metric, got {type(metrics).__name__}")
+    for name, metric in metrics.items():
+        if not isinstance(metric, Metric):
+            raise TypeError(f"metrics[{name!r}] must be a torchmetrics.Metric, got {type(metric).__name__}")
+    return dict(metrics)
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _batch_size(item)
+            if size:
+                return size
+    return 0
 
 
 def _check_master_weights(model: nn.Module) -> None:

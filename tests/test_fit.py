@@ -1,0 +1,314 @@
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_mlp
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from precisionloop import FP16Policy, Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
+
+
+def dataset(n=40, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
+
+
+class NoisyDataset(Dataset):
+    """Draws from torch, numpy and Python RNGs while loading, like random augmentation does."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        noise = 0.01 * (torch.randn(()) + float(np.random.randn()) + random.random())
+        return x + noise, y
+
+
+def dropout_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+
+def make_trainer(precision, seed=0, **kwargs):
+    model = dropout_mlp(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    policy = FP16Policy(growth_interval=4) if precision == "fp16" else precision
+    return Trainer(model, opt, policy, device="cpu", scheduler=sched, **kwargs)
+
+
+def loader():
+    # A shuffled DataLoader with no explicit generator: its order comes from the global RNG.
+    return DataLoader(NoisyDataset(dataset()), batch_size=4, shuffle=True)
+
+
+def seed_all(seed):
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 3])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_mid_epoch_resume_is_bitwise_exact(tmp_path, precision, grad_accum_steps):
+    seed_all(0)
+    full = make_trainer(precision, grad_accum_steps=grad_accum_steps)
+    full.fit(loader(), epochs=3, progress=False)
+
+    seed_all(0)
+    first = make_trainer(precision, grad_accum_steps=grad_accum_steps)
+    first.fit(loader(), epochs=3, max_steps=5, progress=False)  # stops inside epoch 2 (4 steps/epoch) or 1
+    assert first.batch_in_epoch > 0, "the test must stop mid-epoch"
+    first.save(tmp_path / "ckpt.pt")
+
+    seed_all(12345)  # a fresh process would start from some other RNG state
+    resumed = make_trainer(precision, seed=7, grad_accum_steps=grad_accum_steps)
+    resumed.load(tmp_path / "ckpt.pt")
+    resumed.fit(loader(), epochs=3, progress=False)
+
+    assert resumed.global_step == full.global_step and resumed.epoch == 3
+    for p, q in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+    assert resumed.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
+    if precision == "fp16":
+        assert resumed.scaler.get_scale() == full.scaler.get_scale()
+
+
+RESUME_SCRIPT = textwrap.dedent("""
+    import random, sys, numpy as np, torch
+    sys.path.insert(0, {tests!r})
+    from test_fit import make_trainer, loader, seed_all
+    mode, path = sys.argv[1], sys.argv[2]
+    if mode == "first":
+        seed_all(0)
+        t = make_trainer("fp16")
+        t.fit(loader(), epochs=2, max_steps=6, progress=False)
+        t.save(path)
+    else:
+        t = make_trainer("fp16", seed=99)
+        t.load(path)
+        t.fit(loader(), epochs=2, progress=False)
+        torch.save([p.detach() for p in t.model.parameters()], path + ".params")
+""")
+
+
+def test_resume_in_a_fresh_process_is_bitwise_exact(tmp_path):
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT.format(tests=str(Path(__file__).parent)))
+    ckpt = str(tmp_path / "ckpt.pt")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for mode in ("first", "second"):
+        subprocess.run([sys.executable, str(script), mode, ckpt], check=True, env=env, timeout=300)
+    seed_all(0)
+    full = make_trainer("fp16")
+    full.fit(loader(), epochs=2, progress=False)
+    for p, q in zip(full.model.parameters(), torch.load(ckpt + ".params")):
+        assert torch.equal(p, q)
+
+
+def test_history_keys_and_metrics_match_evaluate():
+    seed_all(0)
+    trainer = make_trainer("bf16")
+    val = DataLoader(dataset(24, seed=9), batch_size=8)
+    metrics = {"acc": MulticlassAccuracy(num_classes=4)}
+    history = trainer.fit(DataLoader(dataset(), batch_size=8), epochs=2, val_loader=val, metrics=metrics, progress=False)
+    assert [h["epoch"] for h in history] == [1, 2]
+    for record in history:
+        for key in ("train_loss", "skipped", "steps", "time_s", "samples_per_s", "val_loss", "acc", "complete",
+                    "stats_scale", "stats_skipped", "stats_steps"):
+            assert key in record, key
+        assert record["steps"] == 5 and record["complete"] and record["samples_per_s"] > 0
+    assert trainer.model.training, "fit must leave the model in train mode"
+    again = trainer.evaluate(val, {"acc": MulticlassAccuracy(num_classes=4)})
+    assert again["acc"] == history[-1]["acc"] and again["val_loss"] == pytest.approx(history[-1]["val_loss"])
+    assert trainer.model.training
+
+
+def test_evaluate_matches_a_hand_computed_accuracy_and_keeps_eval_mode():
+    trainer = make_trainer("fp32")
+    trainer.model.eval()
+    val = dataset(24, seed=9)
+    result = trainer.evaluate(DataLoader(val, batch_size=5), {"acc": MulticlassAccuracy(num_classes=4, average="micro")})
+    with torch.no_grad():
+        logits = trainer.model(val.tensors[0])
+    assert result["acc"] == pytest.approx(float((logits.argmax(1) == val.tensors[1]).float().mean()))
+    assert result["val_loss"] == pytest.approx(float(nn.functional.cross_entropy(logits, val.tensors[1])), rel=1e-5)
+    assert not trainer.model.training
+
+
+def test_progress_false_prints_nothing(capfd):
+    trainer = make_trainer("bf16")
+    trainer.fit(DataLoader(dataset(), batch_size=8), epochs=1, progress=False)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+
+
+def test_progress_bar_shows_loss_and_skips(capfd):
+    trainer = make_trainer("fp16")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, log_every=2)
+    err = capfd.readouterr().err
+    assert "epoch 1/1" in err and "loss=" in err and "scale=" in err and "skipped=" in err
+
+
+def test_final_partial_window_is_stepped_and_epochs_count_restored_ones(tmp_path):
+    trainer = make_trainer("fp32", grad_accum_steps=2)
+    history = trainer.fit(DataLoader(dataset(20), batch_size=4), epochs=1, progress=False)  # 5 micro-batches
+    assert history[0]["steps"] == 3 and trainer.global_step == 3
+    trainer.save(tmp_path / "c.pt")
+    other = make_trainer("fp32", grad_accum_steps=2)
+    other.load(tmp_path / "c.pt")
+    history = other.fit(DataLoader(dataset(20), batch_size=4), epochs=2, progress=False)
+    assert len(history) == 1 and other.epoch == 2 and other.global_step == 6
+
+
+def test_max_steps_caps_the_total_and_callbacks_fire():
+    class Recorder:
+        def __init__(self):
+            self.steps, self.epochs = [], []
+
+        def on_step_end(self, trainer, result):
+            self.steps.append(result.due)
+
+        def on_epoch_end(self, trainer, record):
+            self.epochs.append(record["epoch"])
+
+    recorder = Recorder()
+    trainer = make_trainer("bf16")
+    history = trainer.fit(DataLoader(dataset(), batch_size=4), epochs=5, max_steps=13, progress=False, callbacks=[recorder, object()])
+    assert trainer.global_step == 13 and trainer.epoch == 1 and trainer.batch_in_epoch == 3
+    assert len(recorder.steps) == 13 and recorder.epochs == [1, 2]
+    assert [h["complete"] for h in history] == [True, False]
+
+
+def test_scaler_state_survives_save_and_load(tmp_path):
+    trainer = make_trainer("fp16")
+    armed = {"on": True}
+    trainer.model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if armed["on"] else g)
+    data = list(DataLoader(dataset(), batch_size=4))
+    trainer.step(data[0])
+    armed["on"] = False
+    for b in data[1:4]:
+        trainer.step(b)
+    state = trainer.scaler.state_dict()
+    assert state["scale"] == 2.0**15 and state["_growth_tracker"] == 3
+    trainer.save(tmp_path / "c.pt")
+    fresh = make_trainer("fp16", seed=5)
+    fresh.load(tmp_path / "c.pt")
+    assert fresh.scaler.state_dict() == state
+    assert fresh.stats.skipped == 1 and fresh.stats.steps == 4 and fresh.stats.min_scale == 2.0**15
+
+
+def test_checkpoint_is_weights_only_loadable(tmp_path):
+    trainer = make_trainer("fp16")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
+    trainer.save(tmp_path / "c.pt")
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert state["precision"] == "fp16" and state["counters"]["global_step"] == 2
+    assert set(state["rng"]) >= {"torch", "python", "numpy"} and state["scaler"]["scale"] > 0
+
+
+def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
+    trainer = make_trainer("bf16")
+    path = tmp_path / "c.pt"
+    trainer.save(path)
+    before = path.read_bytes()
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
+
+    def broken_save(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"], "the temporary file was left behind"
+
+
+def test_bad_checkpoint_files_get_clear_errors(tmp_path):
+    trainer = make_trainer("bf16")
+    good = tmp_path / "good.pt"
+    trainer.save(good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(os.urandom(256))
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    for path, message in ((truncated, "truncated"), (garbage, "truncated"), (foreign, "not a precisionloop checkpoint")):
+        with pytest.raises(ValueError, match=message) as info:
+            trainer.load(path)
+        assert str(path) in str(info.value)
+        assert info.value.__cause__ is None and (info.value.__context__ is None or info.value.__suppress_context__)
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        trainer.load(tmp_path / "missing.pt")
+
+
+def test_loading_under_another_precision_warns_with_both_names(tmp_path):
+    trainer = make_trainer("fp16")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
+    trainer.save(tmp_path / "c.pt")
+    other = make_trainer("bf16")
+    with pytest.warns(UserWarning, match="'fp16'.*'bf16'"):
+        other.load(tmp_path / "c.pt")
+    for p, q in zip(trainer.model.parameters(), other.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_periodic_checkpoints_rotate(tmp_path):
+    trainer = make_trainer("bf16")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, checkpoint_dir=tmp_path, checkpoint_every=3, keep_last=2,
+                progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006.pt", "step-00000009.pt"]
+    fresh = make_trainer("bf16")
+    fresh.load(tmp_path / "step-00000009.pt")
+    assert fresh.global_step == 9 and fresh.batch_in_epoch == 9
+
+
+def test_save_inside_an_accumulation_window_is_refused(tmp_path):
+    trainer = make_trainer("fp32", grad_accum_steps=2)
+    trainer.step(next(iter(DataLoader(dataset(), batch_size=4))))
+    with pytest.raises(RuntimeError, match="accumulation window"):
+        trainer.save(tmp_path / "c.pt")
+    trainer.flush()
+    trainer.save(tmp_path / "c.pt")
+
+
+def test_fit_rejects_bad_arguments(tmp_path):
+    trainer = make_trainer("fp32")
+    data = DataLoader(dataset(), batch_size=4)
+    with pytest.raises(ValueError, match="val_loader"):
+        trainer.fit(data, metrics={"acc": MulticlassAccuracy(num_classes=4)}, progress=False)
+    with pytest.raises(TypeError, match="torchmetrics"):
+        trainer.fit(data, val_loader=data, metrics={"acc": lambda a, b: 0}, progress=False)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        trainer.fit(data, checkpoint_every=2, progress=False)
+    with pytest.raises(ValueError, match="max_steps"):
+        trainer.fit(data, max_steps=0, progress=False)
+    with pytest.raises(ValueError, match="epochs"):
+        trainer.fit(data, epochs=-1, progress=False)
+
+
+def test_resume_with_fewer_batches_is_an_error(tmp_path):
+    trainer = make_trainer("fp32")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=7, progress=False)
+    trainer.save(tmp_path / "c.pt")
+    other = make_trainer("fp32")
+    other.load(tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="only 5 batches"):
+        other.fit(DataLoader(dataset(20), batch_size=4), epochs=1, progress=False)
