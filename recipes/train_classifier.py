@@ -1,0 +1,109 @@
+"""Train a small image classifier: an ordinary script where --precision is the only precision-related line.
+
+    python recipes/train_classifier.py                        # offline, on data it makes itself
+    python recipes/train_classifier.py --dataset FashionMNIST --data-dir ~/data --download
+    python recipes/train_classifier.py --checkpoint-dir ckpt --max-steps 50   # stop early ...
+    python recipes/train_classifier.py --checkpoint-dir ckpt --resume ckpt/last.pt   # ... and resume exactly
+
+Copy it and change what you like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset, random_split
+from torchmetrics.classification import MulticlassAccuracy
+
+from precisionloop import Trainer
+
+DATASETS = ("FashionMNIST", "MNIST", "KMNIST")
+
+
+def synthetic_digits(n: int = 2048, classes: int = 10, seed: int = 0) -> TensorDataset:
+    """Learnable 28x28 images: a fixed random pattern per class plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(classes, 1, 28, 28, generator=g)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    images = prototypes[labels] + 1.5 * torch.randn(n, 1, 28, 28, generator=g)
+    return TensorDataset(images, labels)
+
+
+def load_data(args) -> tuple[torch.utils.data.Dataset, str]:
+    if args.data_dir is None:
+        return synthetic_digits(args.synthetic_size), f"synthetic data made by this script ({args.synthetic_size} images; no --data-dir given)"
+    cls = getattr(torchvision.datasets, args.dataset)
+    transform = torchvision.transforms.Compose([torchvision.transforms.ToTensor(), torchvision.transforms.Normalize((0.5,), (0.5,))])
+    try:
+        data = cls(args.data_dir, train=True, download=args.download, transform=transform)
+    except RuntimeError as e:
+        raise SystemExit(f"{args.dataset} is not in {args.data_dir} ({e}); add --download if this machine has a network")
+    return data, f"{args.dataset} from {args.data_dir}"
+
+
+def small_cnn(classes: int = 10) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Dropout(0.2), nn.Linear(64 * 7 * 7, classes),
+    )
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--precision", default="auto", help="fp32, tf32, bf16, fp16 or auto (default)")
+    p.add_argument("--dataset", default="FashionMNIST", choices=DATASETS)
+    p.add_argument("--data-dir", default=None, help="where the torchvision dataset lives; without it, synthetic data")
+    p.add_argument("--download", action="store_true", help="download the dataset into --data-dir")
+    p.add_argument("--synthetic-size", type=int, default=2048)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--resume", default=None, help="a checkpoint to continue from")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    torch.manual_seed(args.seed)
+    data, source = load_data(args)
+    print(f"data: {source}")
+    n_val = max(1, len(data) // 10)
+    train_set, val_set = random_split(data, [len(data) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed))
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    val_loader = DataLoader(val_set, batch_size=256)
+
+    model = small_cnn()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    trainer = Trainer(model, optimizer, precision=args.precision, device=args.device)
+    print(f"training with {trainer.policy.name} on {trainer.device}")
+    if args.resume:
+        trainer.load(args.resume)
+        print(f"resumed from {args.resume} at epoch {trainer.epoch}, step {trainer.global_step}")
+
+    history = trainer.fit(
+        train_loader, epochs=args.epochs, val_loader=val_loader,
+        metrics={"accuracy": MulticlassAccuracy(num_classes=10)},
+        max_steps=args.max_steps, progress=not args.no_progress,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=100 if args.checkpoint_dir else None, keep_last=3 if args.checkpoint_dir else None,
+    )
+    for record in history:
+        metrics = f", val loss {record['val_loss']:.4f}, accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""
+        print(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}, {record['steps']} steps "
+              f"({record['skipped']} skipped), {record['samples_per_s']:.0f} samples/s{metrics}")
+    if args.checkpoint_dir:
+        path = trainer.save(Path(args.checkpoint_dir) / "last.pt")
+        print(f"checkpoint: {path}")
+    return history
+
+
+if __name__ == "__main__":
+    main()
