@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import checkpoint
+from . import checkpoint, diagnostics
 from .policy import PrecisionPolicy, _as_device, get_policy
 
 __all__ = ["Trainer", "StepResult", "TrainStats"]
@@ -171,6 +171,7 @@ class Trainer:
         self._consecutive_skips = 0
         self._collapse_warned = False
         self._underflow_every: int | None = None
+        self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
         self._ones: dict[torch.device, torch.Tensor] = {}
         log.info("Trainer on %s with %r", self.device, self.policy)
 
@@ -245,6 +246,8 @@ class Trainer:
         if self._micro < self.grad_accum_steps:
             grads = [p.grad for p in self._params if p.grad is not None]
             torch._foreach_mul_(grads, self.grad_accum_steps / self._micro)
+        if self._underflow_every is not None and (self.global_step + 1) % self._underflow_every == 0:
+            self._measure_underflow()
         grad_norm = None
         if self.max_grad_norm is not None:
             grad_norm = nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
@@ -311,6 +314,17 @@ class Trainer:
                 RuntimeWarning,
                 stacklevel=4,
             )
+
+    def _measure_underflow(self) -> None:
+        # Against the policy's own reduced dtype, or fp16 for an fp32 policy: what would fp16 lose here?
+        dtype = self.policy.compute_dtype if self.policy.compute_dtype != torch.float32 else torch.float16
+        scale = self.scaler.get_scale() if self.scaler is not None else 65536.0
+        report = diagnostics.gradient_underflow(self.model, dtype, scale)
+        self.underflow_history.append({
+            "step": self.global_step + 1, "dtype": str(dtype).replace("torch.", ""), "scale": scale,
+            "nonzero": report.nonzero, "median_abs": report.median_abs,
+            "underflow": report.underflow, "underflow_scaled": report.underflow_scaled,
+        })
 
     def _found_nonfinite(self) -> torch.Tensor:
         """1.0 on the device if any gradient holds an inf or NaN, else 0.0; no host sync."""
@@ -435,7 +449,7 @@ class Trainer:
         total = len(loader) if hasattr(loader, "__len__") else None
         bar = tqdm(total=total, initial=resume_at, desc=f"epoch {self.epoch + 1}/{epochs}", disable=not progress,
                    dynamic_ncols=True, leave=True)
-        steps_before, skipped_before = self.global_step, self._stats.skipped
+        steps_before, skipped_before, measured_before = self.global_step, self._stats.skipped, len(self.underflow_history)
         loss_sum, n_losses, samples, start = torch.zeros((), device=self.device), 0, 0, time.perf_counter()
         complete = True
         try:
@@ -468,6 +482,8 @@ class Trainer:
             self._rng_epoch_start = None
         elapsed = time.perf_counter() - start
         stats = self.stats
+        measured = self.underflow_history[measured_before:]
+        underflow = {k: measured[-1][k] for k in ("underflow", "underflow_scaled")} if measured else {}
         return {
             "epoch": self.epoch if complete else self.epoch + 1,
             "complete": complete,
@@ -477,6 +493,7 @@ class Trainer:
             "time_s": elapsed,
             "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
             **{f"stats_{k}": v for k, v in dataclasses.asdict(stats).items()},
+            **underflow,
         }
 
     def _postfix(self, result: StepResult) -> dict:

@@ -15,36 +15,12 @@ import logging
 from pathlib import Path
 
 import torch
-import torchvision
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset, random_split
+from torch.utils.data import DataLoader, random_split
 from torchmetrics.classification import MulticlassAccuracy
 
 from precisionloop import Trainer
-
-DATASETS = ("FashionMNIST", "MNIST", "KMNIST")
-
-
-def synthetic_digits(n: int = 2048, classes: int = 10, seed: int = 0) -> TensorDataset:
-    """Learnable 28x28 images: a fixed random pattern per class plus noise."""
-    g = torch.Generator().manual_seed(seed)
-    prototypes = torch.randn(classes, 1, 28, 28, generator=g)
-    labels = torch.randint(0, classes, (n,), generator=g)
-    images = prototypes[labels] + 1.5 * torch.randn(n, 1, 28, 28, generator=g)
-    return TensorDataset(images, labels)
-
-
-def load_data(args) -> tuple[torch.utils.data.Dataset, str]:
-    if args.data_dir is None:
-        return synthetic_digits(args.synthetic_size), f"synthetic data made by this script ({args.synthetic_size} images; no --data-dir given)"
-    cls = getattr(torchvision.datasets, args.dataset)
-    transform = torchvision.transforms.Compose([torchvision.transforms.ToTensor(), torchvision.transforms.Normalize((0.5,), (0.5,))])
-    try:
-        data = cls(args.data_dir, train=True, download=args.download, transform=transform)
-    except RuntimeError as e:
-        raise SystemExit(f"{args.dataset} is not in {args.data_dir} ({e}); add --download if this machine has a network")
-    return data, f"{args.dataset} from {args.data_dir}"
-
+from precisionloop.recipes.data import TORCHVISION_DATASETS, image_dataset
 
 def small_cnn(classes: int = 10) -> nn.Module:
     return nn.Sequential(
@@ -57,7 +33,7 @@ def small_cnn(classes: int = 10) -> nn.Module:
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--precision", default="auto", help="fp32, tf32, bf16, fp16 or auto (default)")
-    p.add_argument("--dataset", default="FashionMNIST", choices=DATASETS)
+    p.add_argument("--dataset", default="FashionMNIST", choices=TORCHVISION_DATASETS)
     p.add_argument("--data-dir", default=None, help="where the torchvision dataset lives; without it, synthetic data")
     p.add_argument("--download", action="store_true", help="download the dataset into --data-dir")
     p.add_argument("--synthetic-size", type=int, default=2048)
@@ -74,7 +50,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     torch.manual_seed(args.seed)
-    data, source = load_data(args)
+    data, source = image_dataset(args.dataset, args.data_dir, args.download, synthetic_size=args.synthetic_size)
     print(f"data: {source}")
     n_val = max(1, len(data) // 10)
     train_set, val_set = random_split(data, [len(data) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed))

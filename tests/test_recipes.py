@@ -64,7 +64,7 @@ def test_train_classifier_runs_offline_and_resumes(tmp_path, capsys):
     common = ["--precision", "bf16", "--device", "cpu", "--synthetic-size", "320", "--batch-size", "32", "--no-progress"]
     history = script.main([*common, "--epochs", "2", "--max-steps", "5", "--checkpoint-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "synthetic data made by this script" in out
+    assert "synthetic images made in-process" in out
     assert history[-1]["complete"] is False and (tmp_path / "last.pt").is_file()
     history = script.main([*common, "--epochs", "2", "--resume", str(tmp_path / "last.pt")])
     assert [h["epoch"] for h in history] == [1, 2] and history[0]["complete"] and history[-1]["complete"]
@@ -83,3 +83,16 @@ def test_custom_policy_recipe_trains_with_both_policies():
     losses = script.main(steps=20)
     assert set(losses) == {"vendor-fp16", "audited-bf16"}
     assert all(loss < 1.0 for loss in losses.values())
+
+
+def test_grad_underflow_recipe_tiny_run(tmp_path, capsys):
+    from precisionloop.recipes import grad_underflow
+
+    out = tmp_path / "u.json"
+    result = grad_underflow.main(["--epochs", "1", "--max-steps", "3", "--device", "cpu", "--no-progress", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "data: " in text and "offline" in text
+    assert "below fp16's floor" in text and "seed (FashionMNIST)" in text
+    saved = json.loads(out.read_text())
+    assert saved["steps"] == 3 and saved["fp16"]["nonzero"] > 0 and saved["bf16"]["underflow"] == 0
+    assert saved["fp16"]["dtype"] == "float16" and result["fp16"]["scale"] == 65536.0

@@ -1,0 +1,138 @@
+"""What a reduced-precision cast does to a model's gradients: underflow, subnormals, and overflow under a loss scale."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["gradient_underflow", "UnderflowReport", "ParameterUnderflow"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterUnderflow:
+    """One parameter's share of the report."""
+
+    nonzero: int
+    underflow: float
+
+
+@dataclasses.dataclass(frozen=True)
+class UnderflowReport:
+    """Fractions are of the nonzero gradient values; see :func:`gradient_underflow`."""
+
+    dtype: torch.dtype
+    scale: float
+    nonzero: int
+    median_abs: float
+    underflow: float
+    subnormal: float
+    underflow_scaled: float
+    overflow_scaled: float
+    by_parameter: dict[str, ParameterUnderflow]
+
+    def to_dict(self) -> dict:
+        """A JSON-ready copy."""
+        d = dataclasses.asdict(self)
+        d["dtype"] = str(self.dtype).replace("torch.", "")
+        return d
+
+    def __str__(self) -> str:
+        name = str(self.dtype).replace("torch.", "")
+        finfo = torch.finfo(self.dtype)
+        lines = [
+            f"gradient underflow in {name} (smallest subnormal {finfo.smallest_normal * finfo.eps:.3g}, "
+            f"largest finite {finfo.max:.6g}), loss scale {self.scale:g}",
+            f"  nonzero gradient values   {self.nonzero:>12,}",
+            f"  median |gradient|         {self.median_abs:>12.3g}",
+            f"  become 0 in {name:<9}     {_pct(self.underflow):>12}",
+            f"  land in subnormals        {_pct(self.subnormal):>12}",
+            f"  become 0 after x{self.scale:<8g} {_pct(self.underflow_scaled):>12}",
+            f"  overflow after x{self.scale:<8g} {_pct(self.overflow_scaled):>12}",
+        ]
+        worst = sorted(self.by_parameter.items(), key=lambda kv: -kv[1].underflow)
+        worst = [(n, p) for n, p in worst if p.underflow > 0][:10]
+        if worst:
+            width = max(len(n) for n, _ in worst)
+            lines.append(f"  parameters losing the most values to underflow (unscaled):")
+            lines += [f"    {n:<{width}}  {_pct(p.underflow):>9} of {p.nonzero:,}" for n, p in worst]
+        else:
+            lines.append("  no parameter loses any value to underflow unscaled")
+        return "\n".join(lines)
+
+
+def _pct(fraction: float) -> str:
+    return f"{100 * fraction:.4f}%"
+
+
+def gradient_underflow(
+    model: nn.Module | Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype = torch.float16,
+    scale: float | torch.Tensor = 65536.0,
+) -> UnderflowReport:
+    """Count what casting the current gradients to ``dtype`` does, unscaled and times ``scale``.
+
+    Decided by the real cast, not a threshold: a value underflows when ``grad.to(dtype)``
+    is exactly 0. The counting stays on the gradients' device, with one transfer of the
+    per-parameter counts to the host at the end.
+
+    Args:
+        model: a module whose ``.grad`` fields are filled, or ``(name, tensor)`` pairs of gradients.
+        dtype: the reduced precision to test, usually ``torch.float16`` or ``torch.bfloat16``.
+        scale: the loss scale to test (a power of two keeps the fp32 product exact).
+
+    Raises:
+        ValueError: ``dtype`` is not a floating-point type, ``scale`` is not positive,
+            or no nonzero gradient exists.
+
+    Example:
+        >>> import torch
+        >>> from precisionloop.diagnostics import gradient_underflow
+        >>> report = gradient_underflow([("w", torch.tensor([1e-9, 1e-3, 0.0]))])
+        >>> report.nonzero, report.underflow, report.underflow_scaled
+        (2, 0.5, 0.0)
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point type such as torch.float16 or torch.bfloat16, got {dtype}")
+    if float(scale) <= 0:
+        raise ValueError(f"scale must be > 0, got {scale!r}")
+    if isinstance(model, nn.Module):
+        grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    else:
+        grads = [(n, g) for n, g in model if g is not None]
+    tiny = torch.finfo(dtype).smallest_normal
+    names, counts, magnitudes = [], [], []
+    for name, grad in grads:
+        g = (grad._values() if grad.is_sparse else grad).detach().float().reshape(-1)
+        nonzero = g != 0
+        cast = g.to(dtype)
+        scaled = (g * scale).to(dtype)
+        counts.append(torch.stack([
+            nonzero.sum(),
+            (nonzero & (cast == 0)).sum(),
+            ((cast != 0) & (cast.abs() < tiny)).sum(),
+            (nonzero & (scaled == 0)).sum(),
+            (torch.isfinite(g) & torch.isinf(scaled)).sum(),
+        ]).to(grads[0][1].device))
+        magnitudes.append(g[nonzero].abs().to(grads[0][1].device))
+        names.append(name)
+    if not counts:
+        raise ValueError("no gradients to analyse: run backward() first")
+    table = torch.stack(counts).tolist()
+    total = [sum(col) for col in zip(*table)]
+    if total[0] == 0:
+        raise ValueError("every gradient value is zero: nothing to analyse")
+    median = float(torch.cat(magnitudes).median())
+    return UnderflowReport(
+        dtype=dtype,
+        scale=float(scale),
+        nonzero=int(total[0]),
+        median_abs=median,
+        underflow=total[1] / total[0],
+        subnormal=total[2] / total[0],
+        underflow_scaled=total[3] / total[0],
+        overflow_scaled=total[4] / total[0],
+        by_parameter={n: ParameterUnderflow(int(row[0]), row[1] / row[0] if row[0] else 0.0) for n, row in zip(names, table)},
+    )
