@@ -128,3 +128,35 @@ def test_cuda_verdict_is_booked_by_the_next_step_or_stats():
     trainer.step(data[1])  # books step 1; step 2's verdict is still on its way
     with pytest.raises(RuntimeError, match="2 optimizer steps in a row"):
         trainer.stats
+
+
+def test_compiled_with_cuda_graphs_matches_eager_and_still_skips():
+    data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
+    eager_model, graph_model = tiny_mlp(), tiny_mlp()
+    armed = {"on": False}
+    graph_model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if armed["on"] else g)
+    eager = Trainer(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.1, fused=True), FP16Policy(), device="cuda")
+    graphed = Trainer(graph_model, torch.optim.SGD(graph_model.parameters(), lr=0.1, fused=True), FP16Policy(), device="cuda",
+                      compile=True)
+    assert graphed.compile_mode == "reduce-overhead"
+    results = [(eager.step(b), graphed.step(b)) for b in data[:3]]
+    for p, q in zip(eager_model.parameters(), graph_model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-3, rtol=1e-2)
+    assert [r.loss for r, _ in results] == pytest.approx([r.loss for _, r in results], rel=1e-2)
+    before = copy.deepcopy(graph_model.state_dict())
+    armed["on"] = True
+    result = graphed.step(data[3])
+    assert result.skipped and result.scale == 2.0**15
+    assert all(torch.equal(v, before[k]) for k, v in graph_model.state_dict().items())
+
+
+def test_autotune_on_cuda_prints_its_table(capsys):
+    from precisionloop import autotune
+
+    model = tiny_cnn()
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 4, (16,)))
+    result = autotune(model, lambda p: torch.optim.SGD(p, lr=0.05, fused=True), batch, device="cuda", steps=3, warmup=2)
+    out = capsys.readouterr().out
+    assert "CHOSEN" in out and result.best.label in out
+    assert {r.candidate.precision for r in result.results} == {"fp32", "tf32", "bf16", "fp16"}
+    assert all(r.peak_mb is not None for r in result.results if r.rejected is None)

@@ -11,11 +11,9 @@ import argparse
 import dataclasses
 import datetime
 import difflib
-import gc
 import json
 import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -23,7 +21,8 @@ import torchvision
 from torch import nn
 from tqdm import tqdm
 
-from precisionloop import Trainer, get_policy
+from precisionloop import Trainer, autotune, get_policy
+from precisionloop.autotune import default_candidates, peak_mb, reset_memory, time_steps
 from precisionloop.policy import PrecisionPolicy
 
 ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -78,38 +77,13 @@ def build_model(name: str) -> nn.Module:
     return torchvision.models.get_model(name, weights=None)
 
 
-def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device) -> list[float]:
-    """Run ``warmup`` untimed steps, then return ``iters`` per-step times in milliseconds.
-
-    On CUDA the peak-memory counter restarts after the warm-up, so cuDNN's one-off
-    autotuning workspace does not count as the step's memory.
-    """
-    for _ in range(warmup):
-        step()
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - start) * 1e3)
-        return times
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        step()
-        end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events]
-
-
 def make_optimizer(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
     """SGD with momentum 0.9, the same for every system timed."""
-    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **({"fused": True} if fused else {}))
+    return make_optimizer_for(model.parameters(), fused)
 
 
-def hand_loop_step(model: nn.Module, batch, policy: PrecisionPolicy, device: torch.device, fused: bool) -> Callable[[], None]:
+def hand_loop_step(model: nn.Module, batch, policy: PrecisionPolicy, device: torch.device, fused: bool,
+                   compiled: bool = False) -> Callable[[], None]:
     """The canonical torch.amp step, written out by hand, for the wrapper-cost comparison."""
     optimizer = make_optimizer(model, fused)
     dtype = policy.compute_dtype
@@ -117,6 +91,8 @@ def hand_loop_step(model: nn.Module, batch, policy: PrecisionPolicy, device: tor
     inputs, targets = batch
 
     def step() -> None:
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = nn.functional.cross_entropy(model(inputs), targets)
         scaler.scale(loss).backward()
@@ -134,33 +110,20 @@ def random_batch(batch_size: int, image_size: int, device: torch.device, num_cla
     return inputs.to(device), targets.to(device)
 
 
-def _reset_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_mb(device: torch.device) -> float | None:
-    # The CPU has no per-configuration peak that torch can report; say so instead of guessing.
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-
-
 def measure(system: str, precision: str, policy: PrecisionPolicy, batch_size: int, args, device: torch.device) -> Result:
     """Time one configuration: ``system`` is "precisionloop" (the Trainer) or "hand" (the hand loop)."""
-    _reset_memory(device)
+    reset_memory(device)
     model = build_model(args.model)
-    trainer = Trainer(model, make_optimizer(model, args.fused), policy, device=device)
+    trainer = Trainer(model, make_optimizer(model, args.fused), policy, device=device, compile=args.compile or False)
     batch = trainer.to_device(random_batch(batch_size, args.image_size, device))
     if system == "precisionloop":
         step = lambda: trainer.step(batch)  # noqa: E731
     else:
-        step = hand_loop_step(trainer.model, batch, policy, device, args.fused)
+        step = hand_loop_step(trainer.model, batch, policy, device, args.fused, compiled=bool(args.compile))
     with policy.backend_flags():
         times = time_steps(step, iters=args.iters, warmup=args.warmup, device=device)
     result = Result(system, precision, batch_size, statistics.median(times), *_percentiles(times),
-                    peak_mb=_peak_mb(device), skipped=trainer.stats.skipped)
+                    peak_mb=peak_mb(device), skipped=trainer.stats.skipped)
     del model, trainer, batch, step
     return result
 
@@ -255,6 +218,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                    help="fused SGD for every system (default: on for CUDA); fused optimizers let a skipped step be "
                         "decided on the device, so neither the Trainer nor GradScaler needs a host sync per step")
+    p.add_argument("--compile", nargs="?", const=True, default=None, metavar="MODE",
+                   help="torch.compile the model for every system; bare --compile lets the Trainer pick the mode")
+    p.add_argument("--autotune", action="store_true",
+                   help="also let precisionloop.autotune pick a configuration per batch size and time it")
     p.add_argument("--no-hand-loop", action="store_true", help="skip the hand-written loop (no wrapper-cost figures)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart here (needs matplotlib)")
@@ -280,6 +247,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--precisions: {e}")
     if args.fused is None:
         args.fused = cuda
+    if isinstance(args.compile, str):
+        from torch._inductor import list_mode_options
+
+        if args.compile not in list_mode_options():
+            p.error(f"--compile {args.compile!r} is not a torch.compile mode; valid: {', '.join(list_mode_options())}")
     args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or ("32,128" if cuda else "8"))
     args.iters = args.iters if args.iters is not None else (50 if cuda else 10)
     args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 3)
@@ -301,6 +273,28 @@ def _ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
     if not values or min(values) < 1:
         p.error(f"{flag} takes positive integers, got {text!r}")
     return values
+
+
+def run_autotune(args: argparse.Namespace, device: torch.device) -> list[Result]:
+    """Let the library choose per batch size; report the chosen candidate as system "autotune"."""
+    results = []
+    for bs in args.batch_sizes:
+        model = build_model(args.model)
+        candidates = [c for c in default_candidates(model, device, compile=bool(args.compile)) if c.precision in args.precisions]
+        print(f"\nautotune at batch {bs} ({len(candidates)} candidates, {args.warmup} + {args.iters} steps each):")
+        try:
+            chosen = autotune(model, lambda params: make_optimizer_for(params, args.fused), random_batch(bs, args.image_size, device),
+                              candidates, device=device, steps=args.iters, warmup=args.warmup)
+        except RuntimeError as e:
+            print(e)
+            continue
+        best = next(r for r in chosen.results if r.candidate == chosen.best)
+        results.append(Result("autotune", chosen.best.label, bs, best.median_ms, None, None, best.peak_mb))
+    return results
+
+
+def make_optimizer_for(params, fused: bool) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9, **({"fused": True} if fused else {}))
 
 
 def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
@@ -331,8 +325,14 @@ def main(argv: list[str] | None = None) -> list[Result]:
             results.append(measure(system, precision, policy_for(precision, args), bs, args, device))
         except torch.cuda.OutOfMemoryError as e:
             results.append(Result(system, precision, bs, None, None, None, None, error=f"out of memory: {e}"))
+    if args.autotune:
+        results += run_autotune(args, device)
     print("\nprecisionloop Trainer.step, median ms / peak MB (below each row: speed-up and memory change vs tf32):")
     print(format_table(results, "precisionloop", args.precisions, args.batch_sizes))
+    tuned = [r for r in results if r.system == "autotune"]
+    for r in tuned:
+        print(f"autotune's choice at batch {r.batch_size}: {r.precision}, {r.median_ms:.2f} ms"
+              + (f" / {r.peak_mb:.0f} MB" if r.peak_mb is not None else ""))
     if "hand" in systems:
         print("\nhand-written torch.amp loop, same settings:")
         print(format_table(results, "hand", args.precisions, args.batch_sizes))

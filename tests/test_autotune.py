@@ -1,0 +1,57 @@
+import pytest
+import torch
+from conftest import tiny_cnn, tiny_mlp
+
+from precisionloop import Candidate, autotune
+from precisionloop.autotune import default_candidates
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
+
+
+def test_picks_the_fastest_sound_candidate_and_shows_the_table(capsys):
+    model = tiny_mlp()
+    before = [p.clone() for p in model.parameters()]
+    batch = (torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    result = autotune(model, lambda p: torch.optim.SGD(p, lr=0.05), batch, device="cpu", steps=3, warmup=1)
+    out = capsys.readouterr().out
+    assert "CHOSEN" in out and "loss drift" in out
+    accepted = [r for r in result.results if r.rejected is None]
+    assert result.best == min(accepted, key=lambda r: r.median_ms).candidate
+    assert result.policy.name == get_name(result.best.precision)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "autotune must not train the model itself"
+
+
+def get_name(spec):
+    from precisionloop import get_policy
+
+    return get_policy(spec).name
+
+
+def test_rejects_skipping_and_drifting_candidates(capsys):
+    model = tiny_mlp()
+    batch = (torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    candidates = [Candidate("fp32"), Candidate("bf16")]
+    # bf16's loss differs from fp32's by ~1e-3 of the first loss: a tiny tolerance rejects it.
+    result = autotune(model, lambda p: torch.optim.SGD(p, lr=0.05), batch, candidates, device="cpu", steps=3,
+                      warmup=1, tolerance=1e-7, verbose=False)
+    verdicts = {r.candidate.precision: r.rejected for r in result.results}
+    assert verdicts["fp32"] is None and "loss drift" in verdicts["bf16"] and result.best.precision == "fp32"
+
+    class Exploding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.linear(x) * 1e6
+
+    with pytest.raises(RuntimeError, match="every candidate was rejected"):
+        autotune(Exploding(), lambda p: torch.optim.SGD(p, lr=10.0), batch, [Candidate("fp16")], device="cpu",
+                 steps=2, warmup=1, verbose=False)
+
+
+def test_default_candidates_cover_layouts_for_conv_models_only():
+    mlp, cnn = default_candidates(tiny_mlp(), "cpu"), default_candidates(tiny_cnn(), "cpu")
+    assert {c.precision for c in mlp} == {"fp32", "bf16"} and {c.channels_last for c in mlp} == {None}
+    assert {c.channels_last for c in cnn} == {True, False} and len(cnn) == 4
+    assert {c.compile for c in default_candidates(tiny_mlp(), "cpu", compile=True)} == {False, True}

@@ -1,0 +1,67 @@
+"""torch.compile'd steps: same numerics as eager, skip detection and scaling unchanged, clear errors."""
+
+import copy
+
+import pytest
+import torch
+from conftest import batches, tiny_mlp
+
+from precisionloop import FP16Policy, Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compiled_step_matches_eager(precision):
+    data = batches(4)
+    eager_model, compiled_model = tiny_mlp(), tiny_mlp()
+    eager = Trainer(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9), precision, device="cpu")
+    compiled = Trainer(compiled_model, torch.optim.SGD(compiled_model.parameters(), lr=0.1, momentum=0.9), precision,
+                       device="cpu", compile=True)
+    assert compiled.compile_mode == "default"
+    for b in data:
+        eager.step(b)
+        compiled.step(b)
+    tol = dict(atol=1e-5, rtol=1e-4) if precision == "fp32" else dict(atol=2e-2, rtol=2e-2)
+    for p, q in zip(eager_model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(p, q, **tol)
+    assert list(compiled.state_dict()["model"]) == list(eager.state_dict()["model"])
+
+
+def test_compiled_fp16_skips_and_backs_off():
+    model = tiny_mlp()
+    armed = {"on": False}
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if armed["on"] else g)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(init_scale=256.0, growth_interval=2),
+                      device="cpu", compile="default")
+    data = batches(4)
+    trainer.step(data[0])
+    before = copy.deepcopy(model.state_dict())
+    armed["on"] = True
+    result = trainer.step(data[1])
+    assert result.skipped and result.scale == 128.0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    armed["on"] = False
+    assert [trainer.step(b).scale for b in data[2:]] == [128.0, 256.0]
+
+
+def test_bad_compile_mode_is_rejected_at_construction():
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", compile="fastest")
+
+
+def test_compile_failure_is_an_error_not_a_silent_fallback(monkeypatch):
+    import torch._inductor.compile_fx
+
+    def broken_backend(*args, **kwargs):
+        raise RuntimeError("backend exploded")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken_backend)
+    torch._dynamo.reset()
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", compile="default")
+    with pytest.raises(RuntimeError, match="compile=False") as info:
+        trainer.step(batches(1)[0])
+    assert "backend exploded" in str(info.value) or "backend exploded" in str(info.value.__cause__)
+    torch._dynamo.reset()
