@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import FP32Policy
+from precisionloop.autotune import peak_mb, reset_memory, time_steps
 from precisionloop.recipes import resnet18_bench as bench
 
 FABRIC = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -69,13 +70,13 @@ PEERS = {"fabric": fabric_step, "accelerate": accelerate_step}
 
 def measure_peer(peer: str, precision: str, batch_size: int, args) -> bench.Result:
     device = args.device
-    bench._reset_memory(device)
+    reset_memory(device)
     model = bench.build_model(args.model).to(device)
     batch = bench.random_batch(batch_size, args.image_size, device)
     step = PEERS[peer](model, batch, precision, device, args.fused)
     with FP32Policy(tf32=True).backend_flags():
-        times = bench.time_steps(step, iters=args.iters, warmup=args.warmup, device=device)
-    return bench.Result(peer, precision, batch_size, statistics.median(times), *bench._percentiles(times), peak_mb=bench._peak_mb(device))
+        times = time_steps(step, iters=args.iters, warmup=args.warmup, device=device)
+    return bench.Result(peer, precision, batch_size, statistics.median(times), *bench.deciles(times), peak_mb=peak_mb(device))
 
 
 def available(peer: str) -> bool:

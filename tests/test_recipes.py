@@ -96,3 +96,27 @@ def test_grad_underflow_recipe_tiny_run(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["steps"] == 3 and saved["fp16"]["nonzero"] > 0 and saved["bf16"]["underflow"] == 0
     assert saved["fp16"]["dtype"] == "float16" and result["fp16"]["scale"] == 65536.0
+
+
+def test_peers_script_runs_and_skips_missing_peers(tmp_path, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "peers.py"
+    spec = importlib.util.spec_from_file_location("peers_script", path)
+    peers = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = peers
+    spec.loader.exec_module(peers)
+    out = tmp_path / "peers.json"
+    results = peers.main([*TINY, "--batch-sizes", "2", "--precisions", "fp32,bf16", "--peer-precisions", "bf16",
+                          "--json", str(out)])
+    text = capsys.readouterr().out
+    ours = [r for r in results if r.system in ("precisionloop", "hand")]
+    assert len(ours) == 4 and all(r.error is None for r in ours)
+    for peer, module in (("fabric", "lightning.fabric"), ("accelerate", "accelerate")):
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            assert f"{peer} is not installed; skipped" in text
+        else:
+            assert any(r.system == peer and r.error is None for r in results)
+    assert json.loads(out.read_text())["results"]

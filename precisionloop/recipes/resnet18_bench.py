@@ -122,17 +122,17 @@ def measure(system: str, precision: str, policy: PrecisionPolicy, batch_size: in
         step = hand_loop_step(trainer.model, batch, policy, device, args.fused, compiled=bool(args.compile))
     with policy.backend_flags():
         times = time_steps(step, iters=args.iters, warmup=args.warmup, device=device)
-    result = Result(system, precision, batch_size, statistics.median(times), *_percentiles(times),
+    result = Result(system, precision, batch_size, statistics.median(times), *deciles(times),
                     peak_mb=peak_mb(device), skipped=trainer.stats.skipped)
     del model, trainer, batch, step
     return result
 
 
-def _percentiles(times: list[float]) -> tuple[float, float]:
+def deciles(times: list[float]) -> tuple[float, float]:
     if len(times) < 2:
         return times[0], times[0]
-    deciles = statistics.quantiles(times, n=10)
-    return deciles[0], deciles[-1]
+    cuts = statistics.quantiles(times, n=10)
+    return cuts[0], cuts[-1]
 
 
 def format_table(results: list[Result], system: str, precisions: list[str], batch_sizes: list[int]) -> str:
