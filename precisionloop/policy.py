@@ -279,7 +279,7 @@ def _check_device_support(policy: PrecisionPolicy, device: torch.device) -> None
             "fp16 autocast on the CPU is supported but very slow (tens of times slower than fp32); "
             "consider precision='bf16' on the CPU",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of Trainer(...)
         )
 
 
