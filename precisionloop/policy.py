@@ -258,7 +258,8 @@ def _auto_policy(device: torch.device) -> PrecisionPolicy:
         policy = BF16Policy(note="auto: this CPU runs bf16 natively")
     else:
         policy = FP32Policy(tf32=True, note=f"auto: no native reduced precision found for {device}")
-    log.info("precision='auto' chose %s: %s", policy.name, policy.note)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
+        log.info("precision='auto' chose %s: %s", policy.name, policy.note)
     return policy
 
 

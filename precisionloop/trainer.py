@@ -15,6 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import checkpoint, diagnostics
+from . import distributed as _dist
 from .policy import PrecisionPolicy, _as_device, get_policy
 
 __all__ = ["Trainer", "StepResult", "TrainStats"]
@@ -116,6 +117,12 @@ class Trainer:
             ``"reduce-overhead"`` (CUDA graphs, which pay most on launch-bound steps)
             on CUDA and ``"default"`` elsewhere; a string names the mode. The optimizer
             step and the loss scaler stay eager, so skip detection is unchanged.
+        distributed: under torchrun, ``"auto"`` (with several processes) and ``"ddp"``
+            wrap the model in DistributedDataParallel, and ``"fsdp"`` shards it with
+            FSDP2 using a MixedPrecisionPolicy derived from the precision policy; the
+            process group is initialised if needed (NCCL on CUDA, gloo on the CPU) and
+            the device follows LOCAL_RANK. ``None`` never distributes. A model you
+            wrapped yourself is used as it is.
 
     Raises:
         ValueError: bad arguments, an optimizer that does not hold the model's
@@ -145,6 +152,7 @@ class Trainer:
         max_grad_norm: float | None = None,
         max_consecutive_skips: int = 20,
         compile: bool | str = False,
+        distributed: str | None = "auto",
     ):
         _check_positive_int("grad_accum_steps", grad_accum_steps)
         _check_positive_int("max_consecutive_skips", max_consecutive_skips)
@@ -152,18 +160,26 @@ class Trainer:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError("scheduler drives a different optimizer than the one given to the Trainer")
+        self.distributed, device = _dist.resolve(distributed, None if device is None else _as_device(device))
         self.device = _as_device(device)
         self.policy = get_policy(precision, self.device)
         _check_master_weights(model)
         self._params = _check_optimizer(model, optimizer)
         self.compile_mode = _compile_mode(compile, self.device)
-        self.model = self.policy.prepare_model(model.to(self.device))
-        self._input_format = self.policy.memory_format(self.model)
+        model = model.to(self.device)
+        if not _dist.is_wrapped(model):
+            model = self.policy.prepare_model(model)
+        self._input_format = self.policy.memory_format(_dist.unwrap(model))
         if self.compile_mode is not None:
-            self.model.compile(mode=self.compile_mode)  # in place, so state_dict keys do not change
+            _dist.unwrap(model).compile(mode=self.compile_mode)  # in place, so state_dict keys do not change
+        self.model = _dist.wrap(model, self.distributed, self.policy, self.device, optimizer) if self.distributed else model
+        if self.distributed == "fsdp":
+            self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = self.policy.make_scaler(self.device.type)
+        if self.scaler is not None and self.distributed == "fsdp":
+            self.scaler = _dist.sharded_scaler(self.scaler, self.device.type)
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
@@ -178,10 +194,19 @@ class Trainer:
         self._rng_epoch_start: dict | None = None
         self._consecutive_skips = 0
         self._collapse_warned = False
+        self._unsynced = False  # the last backward skipped the gradient all-reduce
+        self._last_in_epoch = False  # set by fit: the next micro-batch closes the epoch, so gradients must sync
         self._underflow_every: int | None = None
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
         self._ones: dict[torch.device, torch.Tensor] = {}
-        log.info("Trainer on %s with %r", self.device, self.policy)
+        if _dist.is_main():
+            log.info("Trainer on %s with %r%s", self.device, self.policy,
+                     f", {self.distributed} over {_dist.world_size()} processes" if self.distributed else "")
+
+    @property
+    def is_main(self) -> bool:
+        """True on the process that reports and writes checkpoints: rank 0, or the only one."""
+        return _dist.is_main()
 
     def __repr__(self) -> str:
         return f"Trainer(model={type(self.model).__name__}, device={self.device}, policy={self.policy!r})"
@@ -218,10 +243,13 @@ class Trainer:
             return self._step(batch)
 
     def _step(self, batch: Any) -> StepResult:
-        with self.policy.autocast(self.device.type):
-            loss = self.compute_loss(batch)
-        scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        syncs = self._micro + 1 >= self.grad_accum_steps or self._last_in_epoch
+        with _dist.no_sync(self.model, not syncs):  # no gradient all-reduce on micro-steps that do not step
+            with self.policy.autocast(self.device.type):
+                loss = self.compute_loss(batch)
+            scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        self._unsynced = bool(self.distributed) and not syncs
         self._micro += 1
         if self._micro < self.grad_accum_steps:
             return StepResult(loss.detach(), due=False, scale=self._last_scale)
@@ -249,6 +277,8 @@ class Trainer:
         """
         if self._micro == 0:
             return None
+        if self._unsynced:
+            _dist.average_gradients(self.model, self._params)
         with self.policy.backend_flags():
             return self._optimizer_step(torch.full((), float("nan")))
 
@@ -270,6 +300,8 @@ class Trainer:
             found_inf = _scaler_found_inf(scaler, optimizer)
         else:
             found_inf = self._found_nonfinite()
+            if self.distributed:  # each rank checks its own (shard of the) gradients; all must agree
+                _dist.all_reduce_max_(found_inf)
         if self._micro < self.grad_accum_steps:
             grads = [p.grad for p in self._params if p.grad is not None]
             torch._foreach_mul_(grads, self.grad_accum_steps / self._micro)
@@ -278,6 +310,7 @@ class Trainer:
         grad_norm = None
         if self.max_grad_norm is not None:
             grad_norm = nn.utils.clip_grad_norm_(self._params, self.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -296,6 +329,7 @@ class Trainer:
             verdict = found_inf.reshape(1).float()
         optimizer.zero_grad(set_to_none=True)
         self._micro = 0
+        self._unsynced = False
         self.global_step += 1
         host = verdict.to("cpu", non_blocking=True)
         event = None
@@ -359,6 +393,7 @@ class Trainer:
         for p in self._params:
             if p.grad is not None:
                 g = p.grad._values() if p.grad.is_sparse else p.grad
+                g = g.to_local() if hasattr(g, "to_local") else g  # an FSDP2 shard
                 groups.setdefault((g.device, g.dtype), []).append(g)
         found = torch.zeros((), device=self.device)
         for (device, _), grads in groups.items():
@@ -429,6 +464,11 @@ class Trainer:
         if keep_last is not None and checkpoint_every is None:
             raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
         metrics = _check_metrics(metrics, val_loader)
+        if self.distributed:
+            # Each rank sees its share of the data; only rank 0 reports and writes.
+            train_loader = _dist.shard_loader(train_loader)
+            val_loader = _dist.shard_loader(val_loader) if val_loader is not None else None
+            progress = progress and _dist.is_main()
         self._underflow_every = underflow_every
         history = []
         try:
@@ -445,7 +485,7 @@ class Trainer:
         finally:
             self._underflow_every = None
         stats = self.stats
-        if stats.steps:
+        if stats.steps and _dist.is_main():
             log.info("fit: %d optimizer steps, %d skipped (%.2f%%)%s", stats.steps, stats.skipped,
                      100 * stats.skipped / stats.steps, f", loss scale {stats.scale:g}" if stats.scale is not None else "")
         return history
@@ -481,6 +521,7 @@ class Trainer:
         complete = True
         try:
             for batch in iterator:
+                self._last_in_epoch = total is not None and self.batch_in_epoch + 1 == total
                 result = self.step(batch)
                 self.batch_in_epoch += 1
                 loss_sum += result._loss
@@ -502,12 +543,17 @@ class Trainer:
             else:
                 self.flush()
         finally:
+            self._last_in_epoch = False
             bar.close()
         if complete:
             self.epoch += 1
             self.batch_in_epoch = 0
             self._rng_epoch_start = None
         elapsed = time.perf_counter() - start
+        if self.distributed:
+            totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), torch.tensor(float(n_losses), device=self.device),
+                                                        torch.tensor(float(samples), device=self.device)]))
+            loss_sum, n_losses, samples = totals[0], int(totals[1]), int(totals[2])
         stats = self.stats
         measured = self.underflow_history[measured_before:]
         underflow = {k: measured[-1][k] for k in ("underflow", "underflow_scaled")} if measured else {}
@@ -532,7 +578,7 @@ class Trainer:
     def _periodic_save(self, directory, keep_last: int | None) -> None:
         directory = Path(directory)
         self.save(directory / f"step-{self.global_step:08d}.pt")
-        if keep_last is not None:
+        if keep_last is not None and _dist.is_main():
             for old in sorted(directory.glob("step-*.pt"))[:-keep_last]:
                 old.unlink(missing_ok=True)
 
@@ -571,6 +617,10 @@ class Trainer:
                         outputs = outputs.float()
                     for metric in metrics.values():
                         metric.update(outputs, targets)
+            if self.distributed:
+                totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), torch.tensor(float(count), device=self.device)]))
+                loss_sum, count = totals[0], int(totals[1])
+            # torchmetrics syncs each metric's state across ranks in compute().
             result = {"val_loss": float(loss_sum) / count if count else float("nan")}
             for name, metric in metrics.items():
                 value = metric.compute()
@@ -595,12 +645,15 @@ class Trainer:
                 "micro-batches done); save after an optimizer step or call flush() first"
             )
         self._settle()
+        model_state, optimizer_state = _full_state(self.model, self.optimizer, self.distributed)
+        rng = checkpoint.rng_state()
         return {
             "format": checkpoint.FORMAT,
             "version": checkpoint.VERSION,
             "precision": self.policy.name,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "world_size": _dist.world_size(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "counters": {
@@ -611,7 +664,8 @@ class Trainer:
                 "collapse_warned": self._collapse_warned,
             },
             "stats": dataclasses.asdict(self._stats),
-            "rng": checkpoint.rng_state(),
+            "rng": rng,
+            "rng_per_rank": _dist.gather_objects(rng) if self.distributed else None,
             "rng_epoch_start": self._rng_epoch_start,
         }
 
@@ -625,8 +679,7 @@ class Trainer:
                 stacklevel=3,
             )
         self._settle()
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        _load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
@@ -643,7 +696,11 @@ class Trainer:
             self._stats.scale = self._last_scale
         self._micro = 0
         self._rng_epoch_start = state.get("rng_epoch_start")
-        checkpoint.set_rng_state(state["rng"])
+        per_rank = state.get("rng_per_rank")
+        if per_rank and len(per_rank) == _dist.world_size():
+            checkpoint.set_rng_state(per_rank[_dist.rank()])
+        else:
+            checkpoint.set_rng_state(state["rng"])
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write a checkpoint atomically: ``path`` holds the old file or the whole new one, never half.
@@ -651,7 +708,12 @@ class Trainer:
         Raises:
             RuntimeError: an accumulation window is open.
         """
-        return checkpoint.atomic_save(self.state_dict(), path)
+        state = self.state_dict()  # every rank takes part: the state is gathered
+        path = Path(path)
+        if _dist.is_main():
+            checkpoint.atomic_save(state, path)
+        _dist.barrier()  # no rank reads the file before rank 0 has written it
+        return path
 
     def load(self, path: str | os.PathLike) -> None:
         """Resume from a checkpoint written by :meth:`save`; the next ``fit`` continues where it stopped.
@@ -753,6 +815,21 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
             parts.append(f"{foreign} optimizer tensor(s) that are not parameters of the model")
         raise ValueError("the optimizer must hold exactly the model's trainable parameters; found " + "; ".join(parts))
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: str | None) -> tuple[dict, dict]:
+    # torch.distributed.checkpoint's helpers give one layout (parameter names, no DDP prefix,
+    # unsharded) whether the run had one process, DDP or FSDP2, so checkpoints move between them.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=bool(distributed)))
+
+
+def _load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))
 
 
 def _scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:

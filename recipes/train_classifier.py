@@ -4,6 +4,7 @@
     python recipes/train_classifier.py --dataset FashionMNIST --data-dir ~/data --download
     python recipes/train_classifier.py --checkpoint-dir ckpt --max-steps 50   # stop early ...
     python recipes/train_classifier.py --checkpoint-dir ckpt --resume ckpt/last.pt   # ... and resume exactly
+    torchrun --nproc_per_node=2 recipes/train_classifier.py   # the same script, data-parallel (DDP)
 
 Copy it and change what you like.
 """
@@ -51,7 +52,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     torch.manual_seed(args.seed)
     data, source = image_dataset(args.dataset, args.data_dir, args.download, synthetic_size=args.synthetic_size)
-    print(f"data: {source}")
     n_val = max(1, len(data) // 10)
     train_set, val_set = random_split(data, [len(data) - n_val, n_val], generator=torch.Generator().manual_seed(args.seed))
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
@@ -60,10 +60,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model = small_cnn()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     trainer = Trainer(model, optimizer, precision=args.precision, device=args.device)
-    print(f"training with {trainer.policy.name} on {trainer.device}")
+    say = print if trainer.is_main else (lambda *a: None)  # under torchrun, rank 0 speaks for all
+    say(f"data: {source}")
+    say(f"training with {trainer.policy.name} on {trainer.device}"
+        + (f", {trainer.distributed} over {torch.distributed.get_world_size()} processes" if trainer.distributed else ""))
     if args.resume:
         trainer.load(args.resume)
-        print(f"resumed from {args.resume} at epoch {trainer.epoch}, step {trainer.global_step}")
+        say(f"resumed from {args.resume} at epoch {trainer.epoch}, step {trainer.global_step}")
 
     history = trainer.fit(
         train_loader, epochs=args.epochs, val_loader=val_loader,
@@ -73,11 +76,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     for record in history:
         metrics = f", val loss {record['val_loss']:.4f}, accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""
-        print(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}, {record['steps']} steps "
+        say(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}, {record['steps']} steps "
               f"({record['skipped']} skipped), {record['samples_per_s']:.0f} samples/s{metrics}")
     if args.checkpoint_dir:
         path = trainer.save(Path(args.checkpoint_dir) / "last.pt")
-        print(f"checkpoint: {path}")
+        say(f"checkpoint: {path}")
     return history
 
 

@@ -1,0 +1,186 @@
+"""torchrun support: process-group setup, DDP and FSDP2 wrapping under a precision policy, data sharding, full checkpoints.
+
+Everything here uses torch.distributed as it is; precisionloop adds only what the precision
+policy decides (FSDP2's MixedPrecisionPolicy, the sharded loss scaler) and the bookkeeping
+that makes one script run the same with one process or many.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+
+from .policy import PrecisionPolicy
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "ddp", "fsdp", None)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def _launched() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, torch.device | None]:
+    """Decide whether to distribute, initialise the process group if needed, and pick the device.
+
+    Returns the effective mode ("ddp", "fsdp" or None) and the device (None: the caller's default).
+
+    Raises:
+        ValueError: an unknown mode, or "ddp"/"fsdp" outside torchrun with no process group.
+    """
+    if mode not in MODES:
+        raise ValueError(f"distributed must be one of {', '.join(repr(m) for m in MODES)}; got {mode!r}")
+    if mode is None:
+        return None, device
+    initialised = dist.is_available() and dist.is_initialized()
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if mode == "auto":
+        if not (env_world > 1 or (initialised and dist.get_world_size() > 1)):
+            return None, device
+        mode = "ddp"
+    if not initialised:
+        if not _launched():
+            raise ValueError(f"distributed={mode!r} needs torchrun (RANK and WORLD_SIZE set) or an initialised "
+                             "process group; use distributed=None to train in one process")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", local)
+        backend = "nccl" if (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available()) else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend)
+        if dist.get_rank() == 0:
+            log.info("initialised the %s process group over %d processes", backend, dist.get_world_size())
+    elif device is None and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
+    return mode, device
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(model, FSDPModule)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.device, optimizer: torch.optim.Optimizer) -> nn.Module:
+    """DDP-wrap or FSDP2-shard ``model``; FSDP2 also repoints ``optimizer`` at the sharded parameters."""
+    if is_wrapped(model):
+        return model  # the user already chose how to distribute it
+    if mode == "ddp":
+        return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if optimizer.state:
+        raise ValueError("distributed='fsdp' replaces the parameters: build the Trainer before the optimizer has state")
+    names = {id(p): n for n, p in model.named_parameters()}
+    reduced = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
+    # Parameters are cast to the policy's compute dtype for forward/backward; gradients reduce in fp32.
+    mp = MixedPrecisionPolicy(param_dtype=reduced, reduce_dtype=torch.float32)
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+    return model
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, active: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) inside the block when ``active``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if active and isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif active and isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def average_gradients(model: nn.Module, params: list[nn.Parameter]) -> None:
+    """All-reduce gradients that a no_sync backward left local (DDP); FSDP2 cannot do this after the fact."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise RuntimeError("an accumulation window under FSDP ended without a synchronising backward; "
+                           "let fit() close epochs, or make the window complete before flush()")
+    grads = [p.grad for p in params if p.grad is not None]
+    for g in grads:
+        dist.all_reduce(g, op=dist.ReduceOp.SUM)
+    torch._foreach_div_(grads, world_size())
+
+
+def sharded_scaler(scaler: torch.amp.GradScaler, device_type: str) -> torch.amp.GradScaler:
+    """The same loss-scaler settings, as FSDP's scaler, which agrees on inf checks across ranks."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler(device_type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+                             backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval())
+
+
+def shard_loader(loader: Any) -> Any:
+    """A plain DataLoader rebuilt over a DistributedSampler; anything else is returned as it is."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.sampler, DistributedSampler) or loader.batch_size is None:
+        return loader
+    seed = [torch.initial_seed() % 2**31]
+    dist.broadcast_object_list(seed, src=0)  # every rank must shuffle with the same seed
+    sampler = DistributedSampler(loader.dataset, shuffle=isinstance(loader.sampler, RandomSampler), seed=seed[0],
+                                 drop_last=loader.drop_last)
+    return DataLoader(
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+    )
+
+
+def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,200 @@
+"""DDP and FSDP2 on the CPU: two processes with gloo, started from pytest, as torchrun would start them."""
+
+import copy
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import batches, tiny_mlp
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from precisionloop import FP16Policy, Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, scenario, port, out_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    import traceback
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    code = 0
+    try:
+        SCENARIOS[scenario](rank, out_dir)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without C++ static teardown: with gloo on torch 2.14 it sometimes aborts ("terminate called
+    # without an active exception") after all the work and the group's destruction are done.
+    os._exit(code)
+
+
+def run(scenario, tmp_path):
+    mp.start_processes(_worker, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+
+
+def _optimizer(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _local(batch, rank):
+    x, y = batch
+    n = x.shape[0] // WORLD
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+# Scenarios, run in each of the two processes -----------------------------------------------
+
+
+def equals_single(rank, out_dir):
+    for mode in ("ddp", "fsdp"):
+        for precision, accum in (("fp32", 1), ("bf16", 1), ("fp32", 2)):
+            model = tiny_mlp()
+            trainer = Trainer(model, _optimizer(model), precision, device="cpu", distributed=mode, grad_accum_steps=accum)
+            assert trainer.distributed == mode
+            for batch in batches(4, batch_size=8):
+                x, y = _local(batch, rank)
+                for i in range(accum):  # micro-batches of the local share
+                    k = x.shape[0] // accum
+                    trainer.step((x[i * k:(i + 1) * k], y[i * k:(i + 1) * k]))
+            params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in trainer.model.parameters()]
+            if rank == 0:
+                torch.save(params, os.path.join(out_dir, f"{mode}-{precision}-{accum}.pt"))
+
+
+def inf_on_one_rank(rank, out_dir):
+    verdicts = {}
+    for mode in ("ddp", "fsdp"):
+        for precision in ("fp16", "bf16"):
+            model = tiny_mlp()
+            policy = FP16Policy() if precision == "fp16" else precision
+            armed = {"on": False}
+
+            def loss_fn(outputs, targets):
+                # Only rank 1 produces a non-finite loss, so only its local gradients go bad.
+                loss = torch.nn.functional.cross_entropy(outputs, targets)
+                return loss * float("inf") if armed["on"] and rank == 1 else loss
+
+            trainer = Trainer(model, _optimizer(model), policy, device="cpu", distributed=mode, loss_fn=loss_fn)
+            data = batches(2, batch_size=8)
+            trainer.step(_local(data[0], rank))
+            before = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in trainer.model.parameters()]
+            armed["on"] = True
+            result = trainer.step(_local(data[1], rank))
+            after = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in trainer.model.parameters()]
+            verdicts[f"{mode}-{precision}"] = (result.skipped, result.scale, all(torch.equal(a, b) for a, b in zip(before, after)))
+    torch.save(verdicts, os.path.join(out_dir, f"verdicts-{rank}.pt"))
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 16, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
+
+
+def checkpoint_round_trip(rank, out_dir):
+    for mode in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        model = tiny_mlp()
+        trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "bf16", device="cpu", distributed=mode)
+        val = DataLoader(_dataset(), batch_size=16)
+        history = trainer.fit(DataLoader(_dataset(), batch_size=8, shuffle=True), epochs=1, max_steps=3, val_loader=val,
+                              metrics={"acc": MulticlassAccuracy(num_classes=4)}, progress=True)
+        path = os.path.join(out_dir, f"{mode}.pt")
+        trainer.save(path)
+        trainer.fit(DataLoader(_dataset(), batch_size=8, shuffle=True), epochs=1, progress=False)
+        fresh_model = tiny_mlp(seed=5)
+        fresh = Trainer(fresh_model, torch.optim.AdamW(fresh_model.parameters(), lr=1e-2), "bf16", device="cpu", distributed=mode)
+        fresh.load(path)
+        assert fresh.global_step == 3 and fresh.batch_in_epoch == 3
+        fresh.fit(DataLoader(_dataset(), batch_size=8, shuffle=True), epochs=1, progress=False)
+        same = all(torch.equal(a.full_tensor() if hasattr(a, "full_tensor") else a, b.full_tensor() if hasattr(b, "full_tensor") else b)
+                   for a, b in zip(trainer.model.parameters(), fresh.model.parameters()))
+        evaluated = trainer.evaluate(val, {"acc": MulticlassAccuracy(num_classes=4)})
+        torch.save({"same": same, "steps_per_epoch": history[0]["steps"], "acc": history[0].get("acc"),
+                    "evaluated": evaluated["acc"], "final": [p.detach().clone() for p in trainer.model.parameters()]
+                    if mode == "ddp" else None}, os.path.join(out_dir, f"{mode}-result-{rank}.pt"))
+
+
+SCENARIOS = {f.__name__: f for f in (equals_single, inf_on_one_rank, checkpoint_round_trip)}
+
+
+# The tests ----------------------------------------------------------------------------------
+
+
+def test_training_equals_one_process_on_the_whole_batch(tmp_path):
+    run("equals_single", tmp_path)
+    for mode in ("ddp", "fsdp"):
+        for precision, accum in (("fp32", 1), ("bf16", 1), ("fp32", 2)):
+            model = tiny_mlp()
+            trainer = Trainer(model, _optimizer(model), precision, device="cpu", distributed=None)
+            for batch in batches(4, batch_size=8):
+                trainer.step(batch)
+            tol = dict(atol=1e-5, rtol=1e-4) if precision == "fp32" else dict(atol=2e-2, rtol=2e-2)
+            got = torch.load(tmp_path / f"{mode}-{precision}-{accum}.pt")
+            for p, q in zip(model.parameters(), got):
+                torch.testing.assert_close(p.detach(), q, **tol, msg=f"{mode} {precision} accum {accum}")
+
+
+def test_inf_on_one_rank_skips_on_every_rank(tmp_path):
+    run("inf_on_one_rank", tmp_path)
+    for rank in range(WORLD):
+        verdicts = torch.load(tmp_path / f"verdicts-{rank}.pt")
+        for key, (skipped, scale, unchanged) in verdicts.items():
+            assert skipped and unchanged, (rank, key)
+            assert scale == (2.0**15 if "fp16" in key else None), (rank, key)
+
+
+def test_fit_shards_data_syncs_metrics_and_checkpoints_round_trip(tmp_path):
+    run("checkpoint_round_trip", tmp_path)
+    for mode in ("ddp", "fsdp"):
+        results = [torch.load(tmp_path / f"{mode}-result-{rank}.pt") for rank in range(WORLD)]
+        assert all(r["same"] for r in results), f"{mode}: resumed run differs from the uninterrupted one"
+        assert results[0]["acc"] == results[1]["acc"], "metrics must be synced across ranks"
+        assert results[0]["evaluated"] == results[1]["evaluated"]
+    # 64 samples, batch 8, two ranks: 4 steps per epoch, each rank seeing half the data.
+    full = torch.load(tmp_path / "ddp-result-0.pt")
+    state = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    assert state["world_size"] == 2 and len(state["rng_per_rank"]) == 2
+    assert not any(k.startswith("module.") for k in state["model"])
+    # The DDP checkpoint loads in a single process too.
+    model = tiny_mlp(seed=9)
+    single = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "bf16", device="cpu", distributed=None)
+    single.load(tmp_path / "ddp.pt")
+    assert single.global_step == 3
+    val = DataLoader(_dataset(), batch_size=16)
+    # The evaluated accuracy under DDP (synced over both halves) equals one process over all of it.
+    final_model = tiny_mlp()
+    final = Trainer(final_model, torch.optim.AdamW(final_model.parameters(), lr=1e-2), "bf16", device="cpu", distributed=None)
+    with torch.no_grad():
+        for p, q in zip(final_model.parameters(), full["final"]):
+            p.copy_(q)
+    assert final.evaluate(val, {"acc": MulticlassAccuracy(num_classes=4)})["acc"] == pytest.approx(full["evaluated"])
+
+
+def test_distributed_modes_need_a_launcher_or_a_group():
+    model = tiny_mlp()
+    for mode in ("ddp", "fsdp"):
+        with pytest.raises(ValueError, match="torchrun"):
+            Trainer(model, _optimizer(model), "fp32", device="cpu", distributed=mode)
+    with pytest.raises(ValueError, match="'auto'"):
+        Trainer(model, _optimizer(model), "fp32", device="cpu", distributed="horovod")
+    assert Trainer(model, _optimizer(model), "fp32", device="cpu").distributed is None  # auto, one process
