@@ -34,15 +34,7 @@ def fabric_step(model: nn.Module, batch, precision: str, device: torch.device, f
     fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=1, precision=FABRIC[precision])
     optimizer = bench.make_optimizer(model, fused)
     model, optimizer = fabric.setup(model, optimizer)
-    inputs, targets = (t.to(fabric.device) for t in batch)
-
-    def step() -> None:
-        loss = nn.functional.cross_entropy(model(inputs), targets)
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    return _peer_loop(model, optimizer, [t.to(fabric.device) for t in batch], fabric.backward)
 
 
 def accelerate_step(model: nn.Module, batch, precision: str, device: torch.device, fused: bool):
@@ -54,11 +46,16 @@ def accelerate_step(model: nn.Module, batch, precision: str, device: torch.devic
     accelerator = Accelerator(mixed_precision=ACCELERATE[precision], cpu=device.type != "cuda")
     optimizer = bench.make_optimizer(model, fused)
     model, optimizer = accelerator.prepare(model, optimizer)
-    inputs, targets = (t.to(accelerator.device) for t in batch)
+    return _peer_loop(model, optimizer, [t.to(accelerator.device) for t in batch], accelerator.backward)
+
+
+def _peer_loop(model, optimizer, batch, backward):
+    """Each peer's documented step: its wrapped model and optimizer, and its own backward."""
+    inputs, targets = batch
 
     def step() -> None:
         loss = nn.functional.cross_entropy(model(inputs), targets)
-        accelerator.backward(loss)
+        backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -52,6 +52,8 @@ def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, 
         raise ValueError(f"distributed must be one of {', '.join(repr(m) for m in MODES)}; got {mode!r}")
     if mode is None:
         return None, device
+    if device is not None and device.type == "cuda" and device.index is None and _launched():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # "cuda" means this rank's GPU
     initialised = dist.is_available() and dist.is_initialized()
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if mode == "auto":
@@ -94,7 +96,7 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
         return model  # the user already chose how to distribute it
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if optimizer.state:
         raise ValueError("distributed='fsdp' replaces the parameters: build the Trainer before the optimizer has state")
@@ -102,8 +104,15 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
     reduced = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
     # Parameters are cast to the policy's compute dtype for forward/backward; gradients reduce in fp32.
     mp = MixedPrecisionPolicy(param_dtype=reduced, reduce_dtype=torch.float32)
+    # Batch/instance norms keep fp32 parameters, to match their fp32 running statistics (as autocast does).
+    norm_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    from torch.nn.modules.batchnorm import _NormBase
+
+    for module in model.modules():
+        if isinstance(module, _NormBase) and module.affine and module is not model:
+            fully_shard(module, mp_policy=norm_mp)
     for child in model.children():
-        if any(True for _ in child.parameters()):
+        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
             fully_shard(child, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     sharded = dict(model.named_parameters())

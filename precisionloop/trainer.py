@@ -160,7 +160,7 @@ class Trainer:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError("scheduler drives a different optimizer than the one given to the Trainer")
-        self.distributed, device = _dist.resolve(distributed, None if device is None else _as_device(device))
+        self.distributed, device = _dist.resolve(distributed, None if device is None else _parse_device(device))
         self.device = _as_device(device)
         self.policy = get_policy(precision, self.device)
         _check_master_weights(model)
@@ -752,6 +752,13 @@ def _compile_mode(compile: bool | str | None, device: torch.device) -> str | Non
     if not isinstance(compile, str) or compile not in modes:
         raise ValueError(f"compile must be False, True or a torch.compile mode among {', '.join(modes)}; got {compile!r}")
     return compile
+
+
+def _parse_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import batches, tiny_mlp
+from conftest import batches, tiny_cnn, tiny_mlp
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -78,6 +78,11 @@ def equals_single(rank, out_dir):
             params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in trainer.model.parameters()]
             if rank == 0:
                 torch.save(params, os.path.join(out_dir, f"{mode}-{precision}-{accum}.pt"))
+    # A conv net with BatchNorm under FSDP2 bf16: norms keep fp32 parameters beside their fp32 statistics.
+    cnn = tiny_cnn()
+    trainer = Trainer(cnn, _optimizer(cnn), "bf16", device="cpu", distributed="fsdp")
+    results = [trainer.step((torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))) for _ in range(2)]
+    assert all(r.stepped for r in results) and cnn[1].weight.dtype == torch.float32
 
 
 def inf_on_one_rank(rank, out_dir):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import datetime
 import difflib
 import json
@@ -114,7 +115,8 @@ def measure(system: str, precision: str, policy: PrecisionPolicy, batch_size: in
     """Time one configuration: ``system`` is "precisionloop" (the Trainer) or "hand" (the hand loop)."""
     reset_memory(device)
     model = build_model(args.model)
-    trainer = Trainer(model, make_optimizer(model, args.fused), policy, device=device, compile=args.compile or False)
+    trainer = Trainer(model, make_optimizer(model, args.fused), policy, device=device, compile=args.compile or False,
+                      distributed=args.distributed)
     batch = trainer.to_device(random_batch(batch_size, args.image_size, device))
     if system == "precisionloop":
         step = lambda: trainer.step(batch)  # noqa: E731
@@ -222,12 +224,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile the model for every system; bare --compile lets the Trainer pick the mode")
     p.add_argument("--autotune", action="store_true",
                    help="also let precisionloop.autotune pick a configuration per batch size and time it")
+    p.add_argument("--distributed", choices=("ddp", "fsdp"), default=None,
+                   help="under torchrun, wrap the Trainer's model with DDP or FSDP2 (times are per rank)")
     p.add_argument("--no-hand-loop", action="store_true", help="skip the hand-written loop (no wrapper-cost figures)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart here (needs matplotlib)")
     args = p.parse_args(argv)
     try:
         device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     except RuntimeError:
         p.error(f"--device {args.device!r} is not a device; use cuda, cuda:N or cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -307,6 +313,7 @@ def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
 def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
     device: torch.device = args.device
+    say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)  # under torchrun, rank 0 reports
     env = environment(device)
     header = (
         f"precisionloop benchmark: {args.model} training steps (forward, backward, {'fused ' if args.fused else ''}SGD momentum 0.9), {env['date']}\n"
@@ -314,37 +321,38 @@ def main(argv: list[str] | None = None) -> list[Result]:
         f"input {args.image_size}x{args.image_size}, {args.warmup} warm-up + {args.iters} timed steps, median"
         f" | channels_last: {'policy default' if args.channels_last is None else args.channels_last}"
     )
-    print(header)
+    say(header)
     for note in args.notes:
-        print(f"note: {note}")
+        say(f"note: {note}")
     systems = ["precisionloop"] + ([] if args.no_hand_loop else ["hand"])
     configs = [(s, p, bs) for bs in args.batch_sizes for p in args.precisions for s in systems]
     results = []
-    for system, precision, bs in tqdm(configs, desc="configurations", file=sys.stderr, leave=False):
+    for system, precision, bs in tqdm(configs, desc="configurations", file=sys.stderr, leave=False,
+                                         disable=int(os.environ.get("RANK", "0")) != 0):
         try:
             results.append(measure(system, precision, policy_for(precision, args), bs, args, device))
         except torch.cuda.OutOfMemoryError as e:
             results.append(Result(system, precision, bs, None, None, None, None, error=f"out of memory: {e}"))
     if args.autotune:
         results += run_autotune(args, device)
-    print("\nprecisionloop Trainer.step, median ms / peak MB (below each row: speed-up and memory change vs tf32):")
-    print(format_table(results, "precisionloop", args.precisions, args.batch_sizes))
+    say("\nprecisionloop Trainer.step, median ms / peak MB (below each row: speed-up and memory change vs tf32):")
+    say(format_table(results, "precisionloop", args.precisions, args.batch_sizes))
     tuned = [r for r in results if r.system == "autotune"]
     for r in tuned:
-        print(f"autotune's choice at batch {r.batch_size}: {r.precision}, {r.median_ms:.2f} ms"
+        say(f"autotune's choice at batch {r.batch_size}: {r.precision}, {r.median_ms:.2f} ms"
               + (f" / {r.peak_mb:.0f} MB" if r.peak_mb is not None else ""))
     if "hand" in systems:
-        print("\nhand-written torch.amp loop, same settings:")
-        print(format_table(results, "hand", args.precisions, args.batch_sizes))
-        print("\n" + format_wrapper_cost(results))
+        say("\nhand-written torch.amp loop, same settings:")
+        say(format_table(results, "hand", args.precisions, args.batch_sizes))
+        say("\n" + format_wrapper_cost(results))
     for r in results:
         if r.error:
-            print(f"error: {r.system} {r.precision} batch {r.batch_size}: {r.error.splitlines()[0]}")
+            say(f"error: {r.system} {r.precision} batch {r.batch_size}: {r.error.splitlines()[0]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
                        "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
-        print(f"results written to {args.json}")
+        say(f"results written to {args.json}")
     if args.plot:
         write_plot(results, args.plot, f"{args.model} on {env['device_name']}")
     return results
