@@ -172,6 +172,9 @@ class Trainer:
         self._input_format = self.policy.memory_format(_dist.unwrap(model))
         if self.compile_mode is not None:
             _dist.unwrap(model).compile(mode=self.compile_mode)  # in place, so state_dict keys do not change
+        if self.distributed == "fsdp" and self._input_format == torch.channels_last:
+            # FSDP2 cannot shard non-contiguous parameters; channels_last inputs still steer cuDNN to NHWC kernels.
+            model = model.to(memory_format=torch.contiguous_format)
         self.model = _dist.wrap(model, self.distributed, self.policy, self.device, optimizer) if self.distributed else model
         if self.distributed == "fsdp":
             self._params = [p for p in self.model.parameters() if p.requires_grad]

@@ -13,7 +13,7 @@ from conftest import batches, tiny_cnn, tiny_mlp
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from precisionloop import FP16Policy, Trainer
+from precisionloop import BF16Policy, FP16Policy, Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 WORLD = 2
@@ -80,7 +80,8 @@ def equals_single(rank, out_dir):
                 torch.save(params, os.path.join(out_dir, f"{mode}-{precision}-{accum}.pt"))
     # A conv net with BatchNorm under FSDP2 bf16: norms keep fp32 parameters beside their fp32 statistics.
     cnn = tiny_cnn()
-    trainer = Trainer(cnn, _optimizer(cnn), "bf16", device="cpu", distributed="fsdp")
+    policy = BF16Policy(channels_last=True)  # FSDP2 needs contiguous parameters: inputs alone go channels_last
+    trainer = Trainer(cnn, _optimizer(cnn), policy, device="cpu", distributed="fsdp")
     results = [trainer.step((torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))) for _ in range(2)]
     assert all(r.stepped for r in results) and cnn[1].weight.dtype == torch.float32
 
