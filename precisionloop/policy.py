@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from typing import ClassVar, Iterator
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ class FP16Policy(PrecisionPolicy):
 
 
 # The one precision table: canonical name -> factory, then every accepted spelling.
-PRECISIONS: dict[str, type[PrecisionPolicy] | object] = {
+PRECISIONS: dict[str, Callable[[], PrecisionPolicy]] = {
     "fp32": lambda: FP32Policy(tf32=False),
     "tf32": lambda: FP32Policy(tf32=True),
     "bf16": BF16Policy,

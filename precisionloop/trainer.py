@@ -276,7 +276,8 @@ class Trainer:
         """Take the optimizer step for an incomplete accumulation window, if one is open.
 
         The window's gradients are rescaled to the mean over the micro-batches it
-        holds, as if the accumulated batch had simply been smaller.
+        holds, as if the accumulated batch had simply been smaller. The result's
+        ``loss`` is NaN: no micro-batch ran in this call.
         """
         if self._micro == 0:
             return None
@@ -317,6 +318,7 @@ class Trainer:
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
+            # The scale as a device tensor: get_scale() would sync the host.
             verdict = torch.cat([found_inf.reshape(1).float(), scaler._get_scale_async().reshape(1).float()])
         else:
             if getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -541,7 +543,7 @@ class Trainer:
                     if checkpoint_every is not None and self.global_step % checkpoint_every == 0:
                         self._periodic_save(checkpoint_dir, keep_last)
                     if self._reached(max_steps):
-                        complete = False
+                        complete = total is not None and self.batch_in_epoch >= total  # stopped on the last batch
                         break
             else:
                 self.flush()

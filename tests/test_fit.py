@@ -312,3 +312,9 @@ def test_resume_with_fewer_batches_is_an_error(tmp_path):
     other.load(tmp_path / "c.pt")
     with pytest.raises(ValueError, match="only 5 batches"):
         other.fit(DataLoader(dataset(20), batch_size=4), epochs=1, progress=False)
+
+
+def test_max_steps_on_the_last_batch_completes_the_epoch():
+    trainer = make_trainer("fp32")
+    history = trainer.fit(DataLoader(dataset(), batch_size=4), epochs=3, max_steps=10, progress=False)  # 10 batches/epoch
+    assert history[-1]["complete"] and trainer.epoch == 1 and trainer.batch_in_epoch == 0
