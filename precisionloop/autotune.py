@@ -169,6 +169,7 @@ def autotune(
         >>> result.best.precision in {"fp32", "bf16"}
         True
     """
+    from . import checkpoint
     from .trainer import Trainer
 
     device = _as_device(device)
@@ -181,6 +182,7 @@ def autotune(
     runs = [reference] + [c for c in candidates if c != reference]
     reference_losses: list[float] | None = None
     results = []
+    rng = checkpoint.rng_state()  # trials reseed for equal dropout masks; the caller's RNG must not notice
     for candidate in runs:
         result = CandidateResult(candidate)
         try:
@@ -199,6 +201,7 @@ def autotune(
             result.rejected = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:80] if str(e).strip() else ''}"
         if candidate in candidates:
             results.append(result)
+    checkpoint.set_rng_state(rng)
     accepted = [r for r in results if r.rejected is None]
     if not accepted:
         raise RuntimeError("autotune: every candidate was rejected:\n" + "\n".join(f"  {r.candidate.label}: {r.rejected}" for r in results))
@@ -215,7 +218,7 @@ def _trial(trainer_cls, model, optimizer_factory, batch, candidate: Candidate, d
     torch.manual_seed(0)  # the same dropout masks for every candidate
     copy_ = copy.deepcopy(model)
     trainer = trainer_cls(copy_, optimizer_factory(copy_.parameters()), candidate.policy(device), device=device,
-                          loss_fn=loss_fn, compile=candidate.compile)
+                          loss_fn=loss_fn, compile=candidate.compile, distributed=None)
     batch = trainer.to_device(batch)
     results = []
     times = time_steps(lambda: results.append(trainer.step(batch)), iters=steps, warmup=warmup, device=device)

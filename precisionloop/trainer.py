@@ -123,6 +123,10 @@ class Trainer:
             process group is initialised if needed (NCCL on CUDA, gloo on the CPU) and
             the device follows LOCAL_RANK. ``None`` never distributes. A model you
             wrapped yourself is used as it is.
+        autotune: with ``precision="auto"``, choose the configuration by measuring:
+            the first ``step`` runs :func:`precisionloop.autotune` on copies of the model
+            with that first batch (compiled candidates too when ``compile=True``), prints
+            the table, and trains with the fastest sound candidate. Not with ``distributed``.
 
     Raises:
         ValueError: bad arguments, an optimizer that does not hold the model's
@@ -153,6 +157,7 @@ class Trainer:
         max_consecutive_skips: int = 20,
         compile: bool | str = False,
         distributed: str | None = "auto",
+        autotune: bool = False,
     ):
         _check_positive_int("grad_accum_steps", grad_accum_steps)
         _check_positive_int("max_consecutive_skips", max_consecutive_skips)
@@ -160,34 +165,24 @@ class Trainer:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
         if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError("scheduler drives a different optimizer than the one given to the Trainer")
+        if autotune and not (isinstance(precision, str) and precision.strip().lower() == "auto"):
+            raise ValueError(f"autotune=True chooses the precision itself: pass precision='auto', not {precision!r}")
         self.distributed, device = _dist.resolve(distributed, None if device is None else _parse_device(device))
+        if autotune and self.distributed:
+            raise ValueError("autotune=True runs on one process: tune once with precisionloop.autotune and pass "
+                             "the chosen policy to the distributed Trainer")
         self.device = _as_device(device)
-        self.policy = get_policy(precision, self.device)
         _check_master_weights(model)
         self._params = _check_optimizer(model, optimizer)
-        self.compile_mode = _compile_mode(compile, self.device)
-        model = model.to(self.device)
-        if not _dist.is_wrapped(model):
-            model = self.policy.prepare_model(model)
-        self._input_format = self.policy.memory_format(_dist.unwrap(model))
-        if self.compile_mode is not None:
-            _dist.unwrap(model).compile(mode=self.compile_mode)  # in place, so state_dict keys do not change
-        if self.distributed == "fsdp" and self._input_format == torch.channels_last:
-            # FSDP2 cannot shard non-contiguous parameters; channels_last inputs still steer cuDNN to NHWC kernels.
-            model = model.to(memory_format=torch.contiguous_format)
-        self.model = _dist.wrap(model, self.distributed, self.policy, self.device, optimizer) if self.distributed else model
-        if self.distributed == "fsdp":
-            self._params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.scaler = self.policy.make_scaler(self.device.type)
-        if self.scaler is not None and self.distributed == "fsdp":
-            self.scaler = _dist.sharded_scaler(self.scaler, self.device.type)
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
         self.grad_accum_steps = grad_accum_steps
         self.max_grad_norm = max_grad_norm
         self.max_consecutive_skips = max_consecutive_skips
-        self._last_scale = self.scaler.get_scale() if self.scaler is not None else None
+        self._autotune_compile = compile if autotune else None  # the choice waits for the first batch
+        self.model = model.to(self.device)
+        self._configure(get_policy(precision, self.device), _compile_mode(compile, self.device), prepare=not autotune)
         self._stats = TrainStats(scale=self._last_scale)
         self._pending: tuple[torch.Tensor, Any] | None = None  # the last step's verdict, not yet read
         self._micro = 0  # micro-batches since the last optimizer step
@@ -205,6 +200,44 @@ class Trainer:
         if _dist.is_main():
             log.info("Trainer on %s with %r%s", self.device, self.policy,
                      f", {self.distributed} over {_dist.world_size()} processes" if self.distributed else "")
+
+    def _configure(self, policy: PrecisionPolicy, compile_mode: str | None, prepare: bool = True) -> None:
+        """Apply a policy (and compile mode) to the model: layout, compile, wrapping, scaler."""
+        self.policy, self.compile_mode = policy, compile_mode
+        self._input_format = torch.contiguous_format
+        self.scaler, self._last_scale = None, None
+        if not prepare:
+            return
+        model = self.model
+        if not _dist.is_wrapped(model):
+            model = policy.prepare_model(model)
+        self._input_format = policy.memory_format(_dist.unwrap(model))
+        if compile_mode is not None:
+            _dist.unwrap(model).compile(mode=compile_mode)  # in place, so state_dict keys do not change
+        if self.distributed == "fsdp" and self._input_format == torch.channels_last:
+            # FSDP2 cannot shard non-contiguous parameters; channels_last inputs still steer cuDNN to NHWC kernels.
+            model = model.to(memory_format=torch.contiguous_format)
+        self.model = _dist.wrap(model, self.distributed, policy, self.device, self.optimizer) if self.distributed else model
+        if self.distributed == "fsdp":
+            self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.scaler = policy.make_scaler(self.device.type)
+        if self.scaler is not None and self.distributed == "fsdp":
+            self.scaler = _dist.sharded_scaler(self.scaler, self.device.type)
+        self._last_scale = self.scaler.get_scale() if self.scaler is not None else None
+
+    def _run_autotune(self, batch: Any) -> None:
+        from .autotune import autotune, default_candidates
+
+        optimizer = self.optimizer
+        # A fresh optimizer of the same kind per candidate; per-group settings beyond the defaults are not copied.
+        factory = lambda params: type(optimizer)(params, **optimizer.defaults)  # noqa: E731
+        compile_candidates = self._autotune_compile not in (None, False)
+        result = autotune(self.model, factory, batch, default_candidates(self.model, self.device, compile=compile_candidates),
+                          device=self.device, loss_fn=self.loss_fn, verbose=self.is_main)
+        self._autotune_compile = None
+        self._configure(result.policy, _compile_mode(result.best.compile, self.device))
+        self._stats.scale = self._last_scale
+        log.info("autotune: training with %s", result.best.label)
 
     @property
     def is_main(self) -> bool:
@@ -239,6 +272,8 @@ class Trainer:
         decision is made on the host). With a fused optimizer the skip happens on the
         device, and the step's verdict is read one optimizer step later.
         """
+        if self._autotune_compile is not None:
+            self._run_autotune(batch)
         with self.policy.backend_flags():
             batch = self.to_device(batch)
             if self.compile_mode is not None:
@@ -675,7 +710,14 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict, *, source: str = "the checkpoint") -> None:
-        """Restore what :meth:`state_dict` returned, including the RNG states."""
+        """Restore what :meth:`state_dict` returned, including the RNG states.
+
+        A Trainer still waiting to autotune takes the checkpoint's precision instead.
+        """
+        if self._autotune_compile is not None:
+            self._configure(get_policy(state.get("precision"), self.device), None)
+            self._autotune_compile = None
+            log.info("autotune skipped: resuming under the checkpoint's precision %s", self.policy.name)
         if state.get("precision") != self.policy.name:
             warnings.warn(
                 f"{source} was saved under precision {state.get('precision')!r} and is loaded under "
@@ -684,7 +726,7 @@ class Trainer:
                 stacklevel=3,
             )
         self._settle()
-        _load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        _load_full_state(self.model, self.optimizer, state["model"], state["optimizer"], self.distributed)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
@@ -830,18 +872,20 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
 
 
 def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: str | None) -> tuple[dict, dict]:
-    # torch.distributed.checkpoint's helpers give one layout (parameter names, no DDP prefix,
-    # unsharded) whether the run had one process, DDP or FSDP2, so checkpoints move between them.
+    # torch.distributed.checkpoint's helpers give one layout (parameter names, no DDP prefix, and
+    # unsharded under FSDP2) whatever the run was, so checkpoints move between one process, DDP and FSDP2.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=bool(distributed)))
+    full = distributed == "fsdp"
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
 
-def _load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+def _load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict,
+                     distributed: str | None) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                   options=StateDictOptions(full_state_dict=True))
+                   options=StateDictOptions(full_state_dict=distributed == "fsdp"))
 
 
 def _scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:

@@ -55,3 +55,32 @@ def test_default_candidates_cover_layouts_for_conv_models_only():
     assert {c.precision for c in mlp} == {"fp32", "bf16"} and {c.channels_last for c in mlp} == {None}
     assert {c.channels_last for c in cnn} == {True, False} and len(cnn) == 4
     assert {c.compile for c in default_candidates(tiny_mlp(), "cpu", compile=True)} == {False, True}
+
+
+def test_trainer_autotune_chooses_at_the_first_step(capsys, tmp_path):
+    from precisionloop import Trainer
+
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), "auto", device="cpu", autotune=True)
+    batch = (torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    rng = torch.get_rng_state()
+    result = trainer.step(batch)
+    assert torch.equal(torch.get_rng_state(), rng), "autotune must leave the caller's RNG as it was"
+    assert "CHOSEN" in capsys.readouterr().out
+    assert result.stepped and trainer.policy.name in {"fp32", "bf16"} and trainer.stats.steps == 1
+    trainer.save(tmp_path / "c.pt")
+
+    other_model = tiny_mlp()
+    resumed = Trainer(other_model, torch.optim.SGD(other_model.parameters(), lr=0.05), "auto", device="cpu", autotune=True)
+    resumed.load(tmp_path / "c.pt")
+    assert resumed.policy.name == trainer.policy.name
+    resumed.step(batch)
+    assert "CHOSEN" not in capsys.readouterr().out, "a resumed run keeps the checkpoint's precision"
+
+
+def test_trainer_autotune_needs_auto_precision():
+    from precisionloop import Trainer
+
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match="precision='auto'"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), "bf16", device="cpu", autotune=True)

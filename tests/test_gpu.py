@@ -160,3 +160,11 @@ def test_autotune_on_cuda_prints_its_table(capsys):
     assert "CHOSEN" in out and result.best.label in out
     assert {r.candidate.precision for r in result.results} == {"fp32", "tf32", "bf16", "fp16"}
     assert all(r.peak_mb is not None for r in result.results if r.rejected is None)
+
+
+def test_trainer_autotune_on_cuda_trains_with_its_choice(capsys):
+    model = tiny_cnn()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, fused=True), "auto", device="cuda", autotune=True)
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 4, (16,)))
+    assert trainer.step(batch).stepped and "CHOSEN" in capsys.readouterr().out
+    assert trainer.policy.name in {"fp32", "tf32", "bf16", "fp16"} and trainer.step(batch).stepped
