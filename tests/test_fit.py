@@ -248,9 +248,12 @@ def test_bad_checkpoint_files_get_clear_errors(tmp_path):
     truncated.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(os.urandom(256))
+    pickled_garbage = tmp_path / "pickled-garbage.pt"
+    pickled_garbage.write_bytes(b"\x80\x02" + bytes(range(256)))  # starts like a pickle, then nonsense
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.zeros(2)}, foreign)
-    for path, message in ((truncated, "truncated"), (garbage, "truncated"), (foreign, "not a precisionloop checkpoint")):
+    for path, message in ((truncated, "truncated"), (garbage, "truncated"), (pickled_garbage, "truncated"),
+                          (foreign, "not a precisionloop checkpoint")):
         with pytest.raises(ValueError, match=message) as info:
             trainer.load(path)
         assert str(path) in str(info.value)
