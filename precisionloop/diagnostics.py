@@ -56,7 +56,7 @@ class UnderflowReport:
         worst = [(n, p) for n, p in worst if p.underflow > 0][:10]
         if worst:
             width = max(len(n) for n, _ in worst)
-            lines.append(f"  parameters losing the most values to underflow (unscaled):")
+            lines.append("  parameters losing the most values to underflow (unscaled):")
             lines += [f"    {n:<{width}}  {_pct(p.underflow):>9} of {p.nonzero:,}" for n, p in worst]
         else:
             lines.append("  no parameter loses any value to underflow unscaled")

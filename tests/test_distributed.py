@@ -1,6 +1,5 @@
 """DDP and FSDP2 on the CPU: two processes with gloo, started from pytest, as torchrun would start them."""
 
-import copy
 import os
 import socket
 import sys
@@ -94,7 +93,7 @@ def inf_on_one_rank(rank, out_dir):
             policy = FP16Policy() if precision == "fp16" else precision
             armed = {"on": False}
 
-            def loss_fn(outputs, targets):
+            def loss_fn(outputs, targets, armed=armed):
                 # Only rank 1 produces a non-finite loss, so only its local gradients go bad.
                 loss = torch.nn.functional.cross_entropy(outputs, targets)
                 return loss * float("inf") if armed["on"] and rank == 1 else loss

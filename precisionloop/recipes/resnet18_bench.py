@@ -126,7 +126,6 @@ def measure(system: str, precision: str, policy: PrecisionPolicy, batch_size: in
         times = time_steps(step, iters=args.iters, warmup=args.warmup, device=device)
     result = Result(system, precision, batch_size, statistics.median(times), *deciles(times),
                     peak_mb=peak_mb(device), skipped=trainer.stats.skipped)
-    del model, trainer, batch, step
     return result
 
 
