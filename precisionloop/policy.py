@@ -219,13 +219,17 @@ def _normalise(spec: object) -> str:
     )
 
 
+def _parse_device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+
+
 def _as_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+    device = _parse_device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")

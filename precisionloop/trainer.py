@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, diagnostics
 from . import distributed as _dist
-from .policy import PrecisionPolicy, _as_device, get_policy
+from .policy import PrecisionPolicy, _as_device, _parse_device, get_policy
 
 __all__ = ["Trainer", "StepResult", "TrainStats"]
 
@@ -799,13 +799,6 @@ def _compile_mode(compile: bool | str | None, device: torch.device) -> str | Non
     if not isinstance(compile, str) or compile not in modes:
         raise ValueError(f"compile must be False, True or a torch.compile mode among {', '.join(modes)}; got {compile!r}")
     return compile
-
-
-def _parse_device(device: str | torch.device) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
 
 
 def _check_positive_int(name: str, value: object) -> None:
