@@ -32,7 +32,7 @@ def fabric_step(model: nn.Module, batch, precision: str, device: torch.device, f
     from lightning.fabric import Fabric
 
     fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=1, precision=FABRIC[precision])
-    optimizer = bench.make_optimizer(model, fused)
+    optimizer = bench.make_optimizer(model.parameters(), fused)
     model, optimizer = fabric.setup(model, optimizer)
     return _peer_loop(model, optimizer, [t.to(fabric.device) for t in batch], fabric.backward)
 
@@ -44,7 +44,7 @@ def accelerate_step(model: nn.Module, batch, precision: str, device: torch.devic
     # Accelerate keeps one process-wide state; reset it so each precision gets a fresh Accelerator.
     AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(mixed_precision=ACCELERATE[precision], cpu=device.type != "cuda")
-    optimizer = bench.make_optimizer(model, fused)
+    optimizer = bench.make_optimizer(model.parameters(), fused)
     model, optimizer = accelerator.prepare(model, optimizer)
     return _peer_loop(model, optimizer, [t.to(accelerator.device) for t in batch], accelerator.backward)
 

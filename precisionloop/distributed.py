@@ -60,23 +60,18 @@ def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, 
         if not (env_world > 1 or (initialised and dist.get_world_size() > 1)):
             return None, device
         mode = "ddp"
+    if not initialised and not _launched():
+        raise ValueError(f"distributed={mode!r} needs torchrun (RANK and WORLD_SIZE set) or an initialised "
+                         "process group; use distributed=None to train in one process")
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL starts, so each rank owns its GPU
     if not initialised:
-        if not _launched():
-            raise ValueError(f"distributed={mode!r} needs torchrun (RANK and WORLD_SIZE set) or an initialised "
-                             "process group; use distributed=None to train in one process")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if device is None and torch.cuda.is_available():
-            device = torch.device("cuda", local)
-        backend = "nccl" if (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available()) else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(device)
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         dist.init_process_group(backend)
         if dist.get_rank() == 0:
             log.info("initialised the %s process group over %d processes", backend, dist.get_world_size())
-    elif device is None and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    if device is not None and device.type == "cuda":
-        torch.cuda.set_device(device)
     return mode, device
 
 
@@ -122,14 +117,14 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
 
 
 @contextlib.contextmanager
-def no_sync(model: nn.Module, active: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) inside the block when ``active``."""
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) inside the block."""
     from torch.distributed.fsdp import FSDPModule
 
-    if active and isinstance(model, nn.parallel.DistributedDataParallel):
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         with model.no_sync():
             yield
-    elif active and isinstance(model, FSDPModule):
+    elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(False)
         try:
             yield

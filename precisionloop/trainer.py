@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -35,6 +36,7 @@ class StepResult:
         skipped: an optimizer step was due but skipped for non-finite gradients.
         scale: the loss scale after this step, or ``None`` without a scaler.
         grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
+        due: an optimizer step was due at this micro-batch (the last of its accumulation window).
     """
 
     __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "due")
@@ -44,7 +46,7 @@ class StepResult:
         self._found_inf = found_inf
         self._scale = scale
         self._grad_norm = grad_norm
-        self.due = due  # an optimizer step was due at this micro-batch
+        self.due = due
 
     @staticmethod
     def _host(value):
@@ -282,7 +284,8 @@ class Trainer:
 
     def _step(self, batch: Any) -> StepResult:
         syncs = self._micro + 1 >= self.grad_accum_steps or self._last_in_epoch
-        with _dist.no_sync(self.model, not syncs):  # no gradient all-reduce on micro-steps that do not step
+        # No gradient all-reduce on micro-steps that do not step; nothing to enter in one process.
+        with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
             with self.policy.autocast(self.device.type):
                 loss = self.compute_loss(batch)
             scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss

@@ -78,15 +78,15 @@ def build_model(name: str) -> nn.Module:
     return torchvision.models.get_model(name, weights=None)
 
 
-def make_optimizer(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
+def make_optimizer(params, fused: bool) -> torch.optim.Optimizer:
     """SGD with momentum 0.9, the same for every system timed."""
-    return make_optimizer_for(model.parameters(), fused)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9, **({"fused": True} if fused else {}))
 
 
 def hand_loop_step(model: nn.Module, batch, policy: PrecisionPolicy, device: torch.device, fused: bool,
                    compiled: bool = False) -> Callable[[], None]:
     """The canonical torch.amp step, written out by hand, for the wrapper-cost comparison."""
-    optimizer = make_optimizer(model, fused)
+    optimizer = make_optimizer(model.parameters(), fused)
     dtype = policy.compute_dtype
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     inputs, targets = batch
@@ -115,7 +115,7 @@ def measure(system: str, precision: str, policy: PrecisionPolicy, batch_size: in
     """Time one configuration: ``system`` is "precisionloop" (the Trainer) or "hand" (the hand loop)."""
     reset_memory(device)
     model = build_model(args.model)
-    trainer = Trainer(model, make_optimizer(model, args.fused), policy, device=device, compile=args.compile or False,
+    trainer = Trainer(model, make_optimizer(model.parameters(), args.fused), policy, device=device, compile=args.compile or False,
                       distributed=args.distributed)
     batch = trainer.to_device(random_batch(batch_size, args.image_size, device))
     if system == "precisionloop":
@@ -288,7 +288,7 @@ def run_autotune(args: argparse.Namespace, device: torch.device) -> list[Result]
         candidates = [c for c in default_candidates(model, device, compile=bool(args.compile)) if c.precision in args.precisions]
         print(f"\nautotune at batch {bs} ({len(candidates)} candidates, {args.warmup} + {args.iters} steps each):")
         try:
-            chosen = autotune(model, lambda params: make_optimizer_for(params, args.fused), random_batch(bs, args.image_size, device),
+            chosen = autotune(model, lambda params: make_optimizer(params, args.fused), random_batch(bs, args.image_size, device),
                               candidates, device=device, steps=args.iters, warmup=args.warmup)
         except RuntimeError as e:
             print(e)
@@ -297,9 +297,6 @@ def run_autotune(args: argparse.Namespace, device: torch.device) -> list[Result]
         results.append(Result("autotune", chosen.best.label, bs, best.median_ms, None, None, best.peak_mb))
     return results
 
-
-def make_optimizer_for(params, fused: bool) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9, **({"fused": True} if fused else {}))
 
 
 def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
