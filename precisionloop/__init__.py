@@ -1,6 +1,6 @@
 """precisionloop: a PyTorch training step around a precision policy (fp32/TF32, bf16, fp16 with loss scaling)."""
 
-from .autotune import AutotuneResult, Candidate, autotune
+from .tuning import AutotuneResult, Candidate, autotune
 from .policy import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, get_policy
 from .trainer import StepResult, Trainer, TrainStats
 

@@ -1,7 +1,9 @@
-"""Checkpoint files: atomic writes, readable errors for bad files, and every RNG the data path uses."""
+"""Checkpoints: atomic files, readable errors for bad files, every RNG the data path uses, and the
+Trainer's state assembled for saving and restored all or nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import tempfile
@@ -9,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
+from . import distributed as _dist
 
 FORMAT = "precisionloop-checkpoint"
 VERSION = 1
@@ -25,6 +30,7 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the mode open() would
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -42,6 +48,12 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     except OSError:
         pass
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask
 
 
 def read(path: str | os.PathLike) -> dict:
@@ -101,3 +113,122 @@ def set_rng_state(state: dict) -> None:
             "has_gauss": s["has_gauss"],
             "gauss": s["gauss"],
         })
+
+
+# The Trainer's state --------------------------------------------------------------------------------------------
+
+
+def trainer_state(trainer) -> dict:
+    """Everything a Trainer needs to resume exactly, as a ``weights_only``-loadable dict."""
+    engine, loop = trainer.engine, trainer.loop_state
+    engine.settle()
+    model_state, optimizer_state = full_state(trainer.model, trainer.optimizer, engine.distributed)
+    rng = rng_state()
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "precision": trainer.policy.name,
+        "world_size": _dist.world_size(),
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "optimizer_class": type(trainer.optimizer).__name__,
+        "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+        "scaler": engine.guard.state_dict(),
+        "counters": {
+            "global_step": engine.global_step,
+            "epoch": loop.epoch,
+            "batch_in_epoch": loop.batch_in_epoch,
+            "consecutive_skips": engine.consecutive_skips,
+            "collapse_warned": engine.collapse_warned,
+        },
+        "stats": dataclasses.asdict(engine.stats),
+        "rng": rng,
+        "rng_per_rank": _dist.gather_objects(rng) if engine.distributed else None,
+        "rng_epoch_start": loop.rng_epoch_start,
+    }
+
+
+def restore_trainer(trainer, state: dict, source: str) -> None:
+    """Load what :func:`trainer_state` returned into ``trainer``: checked first, then applied whole.
+
+    Raises:
+        ValueError: the state does not fit this model or optimizer; nothing was changed.
+    """
+    engine, loop = trainer.engine, trainer.loop_state
+    check_fits(trainer.model, trainer.optimizer, state, source)
+    engine.settle()
+    engine.discard_window()  # gradients of an open window belong to the run being replaced
+    load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], engine.distributed)
+    if trainer.scheduler is not None and state.get("scheduler") is not None:
+        trainer.scheduler.load_state_dict(state["scheduler"])
+    engine.guard.load_state_dict(state.get("scaler"))
+    counters = state["counters"]
+    engine.global_step = counters["global_step"]
+    engine.consecutive_skips = counters["consecutive_skips"]
+    engine.collapse_warned = counters["collapse_warned"]
+    engine.stats = type(engine.stats)(**state["stats"])
+    engine.last_scale = engine.guard.scale_value()
+    if engine.last_scale is not None:
+        engine.stats.scale = engine.last_scale
+    loop.epoch, loop.batch_in_epoch = counters["epoch"], counters["batch_in_epoch"]
+    loop.rng_epoch_start = state.get("rng_epoch_start")
+    per_rank = state.get("rng_per_rank")
+    set_rng_state(per_rank[_dist.rank()] if per_rank and len(per_rank) == _dist.world_size() else state["rng"])
+
+
+def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, source: str) -> None:
+    """Refuse, before anything changes, a state whose tensors or optimizer do not fit this model and optimizer.
+
+    Raises:
+        ValueError: naming what does not fit.
+    """
+    expected = {k: tuple(v.shape) for k, v in _dist.unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
+    saved = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    problems = [f"missing {k}" for k in expected if k not in saved]
+    problems += [f"unexpected {k}" for k in saved if k not in expected]
+    problems += [f"{k} has shape {list(saved[k])}, the model {list(expected[k])}"
+                 for k in expected if k in saved and saved[k] != expected[k]]
+    if problems:
+        raise ValueError(f"{source} does not fit this model: {'; '.join(problems[:5])}"
+                         f"{' ...' if len(problems) > 5 else ''}; nothing was loaded")
+    saved_class = state.get("optimizer_class")
+    if saved_class is not None and saved_class != type(optimizer).__name__:
+        raise ValueError(f"{source} holds the state of a {saved_class} optimizer, but this Trainer's optimizer is a "
+                         f"{type(optimizer).__name__}; build the Trainer with a {saved_class}. Nothing was loaded")
+    saved_groups = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
+    groups = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_groups != groups:
+        raise ValueError(f"{source} has optimizer parameter groups of sizes {saved_groups}, this optimizer "
+                         f"{groups}; nothing was loaded")
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: str | None) -> tuple[dict, dict]:
+    """The model's and optimizer's state in one layout whatever the run: parameter names, unsharded under FSDP2."""
+    # torch.distributed.checkpoint's helpers give that layout, so checkpoints move between one process,
+    # DDP and FSDP2. They initialise an empty optimizer with a zero-learning-rate step, which would
+    # change training (Adam's step count), so an optimizer with no state yet is written out here.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    full = distributed == "fsdp"
+    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+    if optimizer.state:
+        return get_state_dict(model, optimizer, options=options)
+    names = {id(p): n for n, p in _dist.unwrap(model).named_parameters()}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return get_model_state_dict(model, options=options), {"state": {}, "param_groups": groups}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict,
+                    distributed: str | None) -> None:
+    """Load what :func:`full_state` returned."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+    options = StateDictOptions(full_state_dict=distributed == "fsdp")
+    if optimizer_state["state"]:
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
+        return
+    set_model_state_dict(model, model_state, options=options)
+    optimizer.state.clear()  # the saved optimizer had not stepped yet
+    for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})

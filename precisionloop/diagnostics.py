@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["gradient_underflow", "UnderflowReport", "ParameterUnderflow"]
+__all__ = ["gradient_underflow", "underflow_summary", "UnderflowReport", "ParameterUnderflow"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +85,8 @@ def gradient_underflow(
         scale: the loss scale to test (a power of two keeps the fp32 product exact).
 
     Raises:
-        ValueError: ``dtype`` is not a floating-point type, ``scale`` is not positive,
-            or no nonzero gradient exists.
+        ValueError: ``dtype`` is not a floating-point type, ``scale`` is not a finite
+            number > 0, or no nonzero gradient exists.
 
     Example:
         >>> import torch
@@ -96,8 +97,8 @@ def gradient_underflow(
     """
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point type such as torch.float16 or torch.bfloat16, got {dtype}")
-    if float(scale) <= 0:
-        raise ValueError(f"scale must be > 0, got {scale!r}")
+    if not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     if isinstance(model, nn.Module):
         grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
     else:
@@ -136,3 +137,20 @@ def gradient_underflow(
         overflow_scaled=total[4] / total[0],
         by_parameter={n: ParameterUnderflow(int(row[0]), row[1] / row[0] if row[0] else 0.0) for n, row in zip(names, table)},
     )
+
+
+def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dict:
+    """The headline numbers of :func:`gradient_underflow` as a dict; all-zero or absent gradients give an empty record.
+
+    ``fit(underflow_every=N)`` keeps these: a step whose gradients are all zero is a
+    measurement with nothing in it (``nonzero`` 0, fractions None), not an error.
+    """
+    record = {"dtype": str(dtype).replace("torch.", ""), "scale": float(scale), "nonzero": 0,
+              "median_abs": None, "underflow": None, "underflow_scaled": None}
+    nonzero = [p.grad.ne(0).any() for p in model.parameters() if p.grad is not None]
+    if not nonzero or not bool(torch.stack(nonzero).any()):  # one host sync
+        return record
+    report = gradient_underflow(model, dtype, scale)
+    record.update(nonzero=report.nonzero, median_abs=report.median_abs,
+                  underflow=report.underflow, underflow_scaled=report.underflow_scaled)
+    return record

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from . import _compat
+from .guard import FiniteGuard, GradientGuard, ScalerGuard
 from .policy import PrecisionPolicy
 
 log = logging.getLogger(__name__)
@@ -101,10 +103,8 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
     mp = MixedPrecisionPolicy(param_dtype=reduced, reduce_dtype=torch.float32)
     # Batch/instance norms keep fp32 parameters, to match their fp32 running statistics (as autocast does).
     norm_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    from torch.nn.modules.batchnorm import _NormBase
-
     for module in model.modules():
-        if isinstance(module, _NormBase) and module.affine and module is not model:
+        if _compat.is_batch_norm(module) and module.affine and module is not model:
             fully_shard(module, mp_policy=norm_mp)
     for child in model.children():
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
@@ -142,15 +142,25 @@ def average_gradients(model: nn.Module, params: list[nn.Parameter]) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     for g in grads:
         dist.all_reduce(g, op=dist.ReduceOp.SUM)
-    torch._foreach_div_(grads, world_size())
+    _compat.foreach_div_(grads, world_size())
 
 
-def sharded_scaler(scaler: torch.amp.GradScaler, device_type: str) -> torch.amp.GradScaler:
-    """The same loss-scaler settings, as FSDP's scaler, which agrees on inf checks across ranks."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+def adapt_guard(guard: GradientGuard, mode: str | None, device_type: str) -> GradientGuard:
+    """Make a policy's gradient guard agree across ranks: FSDP's sharded scaler, or an all-reduced inf check.
 
-    return ShardedGradScaler(device_type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
-                             backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval())
+    Under DDP a GradScaler needs nothing more: every rank unscales the same all-reduced gradients.
+    """
+    if mode is None:
+        return guard
+    if isinstance(guard, ScalerGuard) and mode == "fsdp":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        s = guard.scaler
+        return ScalerGuard(ShardedGradScaler(device_type, init_scale=s.get_scale(), growth_factor=s.get_growth_factor(),
+                                             backoff_factor=s.get_backoff_factor(), growth_interval=s.get_growth_interval()))
+    if isinstance(guard, FiniteGuard):
+        return FiniteGuard(all_reduce_max=all_reduce_max_)
+    return guard
 
 
 def shard_loader(loader: Any) -> Any:

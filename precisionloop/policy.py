@@ -14,6 +14,9 @@ from typing import Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
+from . import _compat
+from .guard import FiniteGuard, GradientGuard, ScalerGuard
+
 __all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "FP16Policy", "get_policy", "PRECISIONS"]
 
 log = logging.getLogger(__name__)
@@ -23,10 +26,10 @@ log = logging.getLogger(__name__)
 class PrecisionPolicy:
     """An immutable description of how a training step handles precision.
 
-    The Trainer reaches a policy only through ``autocast``, ``make_scaler``,
-    ``backend_flags``, ``prepare_model`` and ``memory_format``, plus the
-    attributes ``name`` and ``compute_dtype``. Subclass it (or one of the three
-    concrete policies) to support custom hardware.
+    The Trainer reaches a policy only through ``autocast``, ``make_guard`` (built
+    from ``make_scaler``), ``backend_flags``, ``prepare_model`` and
+    ``memory_format``, plus the attributes ``name`` and ``compute_dtype``. Subclass
+    it (or one of the three concrete policies) to support custom hardware.
 
     Args:
         tf32: let fp32 matmuls and convolutions use TF32 tensor cores on CUDA.
@@ -63,6 +66,11 @@ class PrecisionPolicy:
     def make_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
         """A fresh loss scaler for this device type, or ``None`` when gradients need no scaling."""
         return None
+
+    def make_guard(self, device_type: str) -> GradientGuard:
+        """The step's gradient guard: loss scaling through ``make_scaler``'s scaler, else a non-finite check."""
+        scaler = self.make_scaler(device_type)
+        return ScalerGuard(scaler) if scaler is not None else FiniteGuard()
 
     @contextlib.contextmanager
     def backend_flags(self) -> Iterator[None]:
@@ -244,13 +252,6 @@ def _cuda_bf16_native(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def _cpu_bf16_native() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def _auto_policy(device: torch.device) -> PrecisionPolicy:
     if device.type == "cuda":
         label = f"{torch.cuda.get_device_name(device)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
@@ -258,7 +259,7 @@ def _auto_policy(device: torch.device) -> PrecisionPolicy:
             policy: PrecisionPolicy = BF16Policy(note=f"auto: {label} has native bf16")
         else:
             policy = FP16Policy(note=f"auto: {label} has no native bf16, so fp16 with loss scaling")
-    elif device.type == "cpu" and _cpu_bf16_native():
+    elif device.type == "cpu" and _compat.cpu_bf16_native():
         policy = BF16Policy(note="auto: this CPU runs bf16 natively")
     else:
         policy = FP32Policy(tf32=True, note=f"auto: no native reduced precision found for {device}")

@@ -3,7 +3,7 @@ import torch
 from conftest import tiny_cnn, tiny_mlp
 
 from precisionloop import Candidate, autotune
-from precisionloop.autotune import default_candidates
+from precisionloop.tuning import default_candidates
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 

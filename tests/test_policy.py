@@ -9,6 +9,7 @@ from torch import nn
 
 import precisionloop
 from precisionloop import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, get_policy
+from precisionloop import _compat
 from precisionloop import policy as policy_mod
 
 
@@ -70,7 +71,7 @@ def test_fp16_policy_rejects_bad_scaler_args(kwargs):
 def test_auto_on_cpu_is_visible(caplog):
     with caplog.at_level(logging.INFO, logger="precisionloop"):
         policy = get_policy("auto", "cpu")
-    expected = "bf16" if policy_mod._cpu_bf16_native() else "tf32"
+    expected = "bf16" if _compat.cpu_bf16_native() else "tf32"
     assert policy.name == expected
     assert "auto" in repr(policy)
     assert any("auto" in r.getMessage() and expected in r.getMessage() for r in caplog.records)

@@ -1,0 +1,93 @@
+"""Every private torch API precisionloop relies on, each behind one small function.
+
+A torch upgrade that renames or changes one of these breaks exactly one function here,
+and ``tests/test_compat.py`` pins each of them, so the break is loud, not silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """The scaler's inf/NaN verdict from its last ``unscale_(optimizer)``, as one device tensor (no host sync)."""
+    found = list(scaler._found_inf_per_device(optimizer).values())
+    return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
+
+
+def scaler_scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """The current loss scale as a device tensor; ``get_scale()`` would sync the host."""
+    return scaler._get_scale_async()
+
+
+def non_finite_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """GradScaler's fused check: sets ``found_inf`` to 1 if any gradient is inf/NaN, and multiplies by ``inv_scale``."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """True for optimizers whose ``step`` takes the inf verdict as a tensor (torch's fused ones)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+@contextlib.contextmanager
+def device_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Iterator[None]:
+    """Hand ``found_inf`` to a fused optimizer's next ``step``, which then skips on the device.
+
+    This is the contract GradScaler uses with fused optimizers: ``grad_scale`` and
+    ``found_inf`` attributes read by ``step``.
+    """
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: float) -> None:
+    """Multiply every tensor in place, in as few kernels as torch can."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
+    """Divide every tensor in place, in as few kernels as torch can."""
+    torch._foreach_div_(tensors, divisor)
+
+
+def compile_modes() -> list[str]:
+    """The mode names ``torch.compile`` accepts."""
+    from torch._inductor import list_mode_options
+
+    return list(list_mode_options())
+
+
+def compile_error_types() -> tuple[type[BaseException], ...]:
+    """The exception types ``torch.compile`` raises when tracing or compiling fails."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return (TorchDynamoException,)
+
+
+def cpu_bf16_native() -> bool:
+    """True when this CPU runs bf16 natively (oneDNN's check)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """Batch and instance norms: the layers with fp32 running statistics."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return isinstance(module, _NormBase)
+
+
+def dense_values(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's stored values: itself when dense, its non-zero values when sparse, its local shard under FSDP2."""
+    g = grad._values() if grad.is_sparse else grad
+    return g.to_local() if hasattr(g, "to_local") else g

@@ -1,0 +1,312 @@
+"""The training step: forward and loss under autocast, backward, and every ``grad_accum_steps``
+micro-batches one optimizer step behind the policy's gradient guard.
+
+One code path serves every precision: the guard (see :mod:`precisionloop.guard`) owns loss
+scaling and the inf/NaN verdict. The verdict stays on the device and is booked (counters,
+scheduler, skip limit) at the next optimizer step, so a fused optimizer never syncs the host.
+No loop and no files here: :mod:`precisionloop.loop` and :mod:`precisionloop.checkpoint` do those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import _compat
+from . import distributed as _dist
+from .guard import GradientGuard
+from .policy import PrecisionPolicy
+
+__all__ = ["StepResult", "TrainStats", "StepEngine", "prepare_model", "compile_mode", "to_device"]
+
+
+class StepResult:
+    """What one call to :meth:`Trainer.step` did; its values reach the host only when read.
+
+    Reading a field copies it from the device, which waits for the step to finish:
+    read only what you need, and not every step if speed matters.
+
+    Attributes:
+        loss: the micro-batch's loss, unscaled and not divided by ``grad_accum_steps``.
+        stepped: the optimizer updated the parameters.
+        skipped: an optimizer step was due but skipped for non-finite gradients.
+        scale: the loss scale after this step, or ``None`` without a scaler.
+        grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
+        due: an optimizer step was due at this micro-batch (the last of its accumulation window).
+    """
+
+    __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "due")
+
+    def __init__(self, loss, *, due: bool, found_inf=None, scale=None, grad_norm=None):
+        self._loss = loss
+        self._found_inf = found_inf
+        self._scale = scale
+        self._grad_norm = grad_norm
+        self.due = due
+
+    @staticmethod
+    def _host(value):
+        return value.item() if isinstance(value, torch.Tensor) else value
+
+    @property
+    def loss(self) -> float:
+        self._loss = float(self._host(self._loss))
+        return self._loss
+
+    @property
+    def skipped(self) -> bool:
+        return self.due and bool(self._host(self._found_inf))
+
+    @property
+    def stepped(self) -> bool:
+        return self.due and not self.skipped
+
+    @property
+    def scale(self) -> float | None:
+        self._scale = self._host(self._scale)
+        return self._scale
+
+    @property
+    def grad_norm(self) -> float | None:
+        self._grad_norm = self._host(self._grad_norm)
+        return self._grad_norm
+
+    def __repr__(self) -> str:
+        return (f"StepResult(loss={self.loss:.6g}, stepped={self.stepped}, skipped={self.skipped}, "
+                f"scale={self.scale}, grad_norm={self.grad_norm})")
+
+
+@dataclasses.dataclass
+class TrainStats:
+    """Running optimizer-step and loss-scale counters, kept as ``trainer.stats``."""
+
+    steps: int = 0
+    """optimizer steps that were due, taken or skipped"""
+    skipped: int = 0
+    steps_since_overflow: int = 0
+    scale: float | None = None
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    def _record(self, skipped: bool, scale: float | None) -> None:
+        self.steps += 1
+        self.skipped += skipped
+        self.steps_since_overflow = 0 if skipped else self.steps_since_overflow + 1
+        if scale is not None:
+            self.scale = scale
+            self.min_scale = scale if self.min_scale is None else min(self.min_scale, scale)
+            self.max_scale = scale if self.max_scale is None else max(self.max_scale, scale)
+
+
+def compile_mode(compile: bool | str | None, device: torch.device) -> str | None:
+    """The ``torch.compile`` mode for a ``compile=`` argument: None (eager), a default per device, or the named mode.
+
+    Raises:
+        ValueError: not a bool or a mode torch knows.
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return "reduce-overhead" if device.type == "cuda" else "default"
+    modes = _compat.compile_modes()
+    if not isinstance(compile, str) or compile not in modes:
+        raise ValueError(f"compile must be False, True or a torch.compile mode among {', '.join(modes)}; got {compile!r}")
+    return compile
+
+
+def prepare_model(model: nn.Module, policy: PrecisionPolicy, mode: str | None, distributed: str | None,
+                  device: torch.device, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, torch.memory_format]:
+    """Apply a policy to a model on its device: layout, compile, then DDP/FSDP2; returns it and the input layout."""
+    if not _dist.is_wrapped(model):
+        model = policy.prepare_model(model)
+    input_format = policy.memory_format(_dist.unwrap(model))
+    if mode is not None:
+        _dist.unwrap(model).compile(mode=mode)  # in place, so state_dict keys do not change
+    if distributed == "fsdp" and input_format == torch.channels_last:
+        # FSDP2 cannot shard non-contiguous parameters; channels_last inputs still steer cuDNN to NHWC kernels.
+        model = model.to(memory_format=torch.contiguous_format)
+    if distributed:
+        model = _dist.wrap(model, distributed, policy, device, optimizer)
+    return model, input_format
+
+
+def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format) -> Any:
+    """Move every tensor in a (nested) batch to ``device``, 4-D float tensors in ``memory_format``."""
+    if isinstance(batch, torch.Tensor):
+        fmt = memory_format if batch.dim() == 4 and batch.is_floating_point() else torch.preserve_format
+        return batch.to(device, non_blocking=device.type == "cuda", memory_format=fmt)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, memory_format) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device, memory_format) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, memory_format) for v in batch)
+    return batch
+
+
+class StepEngine:
+    """Accumulation, the guarded optimizer step, clipping, the deferred verdict and the skip limit.
+
+    ``loss_of(batch)`` computes one micro-batch's loss; it runs under the policy's autocast.
+    ``probe``, when set, is called with the optimizer step's number after the gradients are
+    unscaled and before they are clipped (fit's underflow telemetry uses it).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
+                 loss_of: Callable[[Any], torch.Tensor], scheduler: Any, grad_accum_steps: int,
+                 max_grad_norm: float | None, max_consecutive_skips: int, distributed: str | None):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.loss_of, self.scheduler, self.distributed = loss_of, scheduler, distributed
+        self.grad_accum_steps, self.max_grad_norm, self.max_consecutive_skips = grad_accum_steps, max_grad_norm, max_consecutive_skips
+        self.policy: PrecisionPolicy | None = None
+        self.guard: GradientGuard | None = None
+        self.compile_mode: str | None = None
+        self.last_scale: Any = None
+        self.stats = TrainStats()
+        self.micro = 0  # micro-batches since the last optimizer step
+        self.global_step = 0  # optimizer steps taken or skipped
+        self.consecutive_skips = 0
+        self.collapse_warned = False
+        self.unsynced = False  # the last backward skipped the gradient all-reduce
+        self.sync_next = False  # set by the loop: the next micro-batch closes the epoch, so gradients must sync
+        self.probe: Callable[[int], None] | None = None
+        self._pending: tuple[torch.Tensor, Any] | None = None  # the last step's verdict, not yet read
+
+    def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
+        """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
+        self.model, self.policy, self.guard, self.compile_mode = model, policy, guard, mode
+        self.last_scale = guard.scale_value()
+        self.stats.scale = self.last_scale
+
+    def params(self) -> list[nn.Parameter]:
+        """The optimizer's parameters now: one added after construction is guarded and clipped too."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def step(self, batch: Any) -> StepResult:
+        """One micro-batch: forward and backward, then the optimizer step if the window is full.
+
+        An exception (a Ctrl-C too) discards the open accumulation window, so no partial
+        gradient leaks into the next step.
+        """
+        try:
+            with torch.enable_grad():  # a step under the caller's no_grad() still trains
+                if self.compile_mode is not None:
+                    return self._compiled_step(batch)
+                return self._step(batch)
+        except BaseException:
+            self.discard_window()
+            raise
+
+    def _step(self, batch: Any) -> StepResult:
+        syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next
+        # No gradient all-reduce on micro-steps that do not step; nothing to enter in one process.
+        with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
+            with self.policy.autocast(self.device.type):
+                loss = self.loss_of(batch)
+            scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
+            self.guard.scale(scaled).backward()
+        self.unsynced = bool(self.distributed) and not syncs
+        self.micro += 1
+        if self.micro < self.grad_accum_steps:
+            return StepResult(loss.detach(), due=False, scale=self.last_scale)
+        return self.optimizer_step(loss.detach())
+
+    def _compiled_step(self, batch: Any) -> StepResult:
+        # Tells CUDA-graph trees a new iteration begins, so the last step's outputs may be reused; a no-op otherwise.
+        torch.compiler.cudagraph_mark_step_begin()
+        try:
+            return self._step(batch)
+        except _compat.compile_error_types() as e:
+            raise RuntimeError(
+                f"torch.compile(mode={self.compile_mode!r}) failed on {type(_dist.unwrap(self.model)).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. "
+                "Train eagerly with compile=False, or try another mode"
+            ) from e
+
+    def flush(self) -> StepResult | None:
+        """The optimizer step for an incomplete window, its gradients averaged over the micro-batches it holds."""
+        if self.micro == 0:
+            return None
+        if self.unsynced:
+            _dist.average_gradients(self.model, self.params())
+        return self.optimizer_step(torch.full((), float("nan"), dtype=torch.float32))
+
+    def optimizer_step(self, loss: torch.Tensor) -> StepResult:
+        """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update."""
+        self.settle()  # the previous step's verdict, so the scheduler is right for this one
+        params = self.params()
+        grads = [p.grad for p in params if p.grad is not None]
+        found_inf = self.guard.unscale_(self.optimizer, grads)
+        if self.micro < self.grad_accum_steps:
+            _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
+        if self.probe is not None:
+            self.probe(self.global_step + 1)
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self.guard.step(self.optimizer, found_inf)
+        self.guard.update()
+        scale = self.guard.scale_tensor()
+        verdict = found_inf.reshape(1).float()
+        if scale is not None:
+            verdict = torch.cat([verdict, scale.reshape(1).float()])
+            self.last_scale = verdict[1]
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro, self.unsynced = 0, False
+        self.global_step += 1
+        self._book_later(verdict)
+        return StepResult(loss, due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
+
+    def _book_later(self, verdict: torch.Tensor) -> None:
+        host = verdict.to("cpu", non_blocking=True)
+        if verdict.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (host, event)
+        else:
+            self._pending = (host, None)
+            self.settle()
+
+    def discard_window(self) -> None:
+        """Drop the gradients of an open accumulation window (after an error, or on load)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro, self.unsynced = 0, False
+
+    def settle(self) -> None:
+        """Book the last optimizer step's verdict: counters, scheduler, skip limit, collapse warning.
+
+        Raises:
+            RuntimeError: ``max_consecutive_skips`` steps in a row were skipped.
+        """
+        if self._pending is None:
+            return
+        host, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()  # waits for that step only, not for work queued since
+        values = host.tolist()
+        skipped, scale = bool(values[0]), (values[1] if len(values) > 1 else None)
+        self.stats._record(skipped, scale)
+        if not skipped:
+            self.consecutive_skips = 0
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.max_consecutive_skips:
+                raise RuntimeError(
+                    f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients "
+                    f"(at optimizer step {self.stats.steps}, loss scale {scale}); the loss or the model diverged. "
+                    "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'")
+        if scale is not None and scale < 1 and not self.collapse_warned:
+            self.collapse_warned = True
+            warnings.warn(
+                f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss scale is "
+                "collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train this model",
+                RuntimeWarning, stacklevel=5)

@@ -1,0 +1,158 @@
+"""Gradient guards: what stands between a backward pass and the optimizer step.
+
+A policy hands the step one guard, and the step calls the same five methods whatever the
+precision, so it never asks whether there is a loss scaler:
+
+- ``scale(loss)``: the loss to call ``backward`` on;
+- ``unscale_(optimizer, grads)``: unscale the gradients in place and return the inf/NaN
+  verdict as a device tensor (1.0: skip);
+- ``step(optimizer, found_inf)``: step the optimizer unless the verdict says skip;
+- ``update()``: adjust the loss scale after the step;
+- ``state_dict()`` / ``load_state_dict()``, ``scale_tensor()``, ``scale_value()``.
+
+``ScalerGuard`` is backed by a ``torch.amp.GradScaler`` (fp16); ``FiniteGuard`` is a plain
+non-finite check (fp32, bf16). Neither syncs the host with a fused optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from . import _compat
+
+__all__ = ["GradientGuard", "ScalerGuard", "FiniteGuard"]
+
+
+class GradientGuard(Protocol):
+    """The interface the step uses; see the module docstring."""
+
+    scaler: torch.amp.GradScaler | None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+    def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor: ...
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None: ...
+    def update(self) -> None: ...
+    def scale_tensor(self) -> torch.Tensor | None: ...
+    def scale_value(self) -> float | None: ...
+    def state_dict(self) -> dict | None: ...
+    def load_state_dict(self, state: dict | None) -> None: ...
+
+
+def _first_step_needs_host(optimizer: torch.optim.Optimizer) -> bool:
+    """True while a fused SGD with momentum has no momentum buffers yet.
+
+    torch's fused SGD allocates the buffers with ``empty_like`` and fills them in the
+    kernel; a step skipped on the device leaves them uninitialised, and the next step
+    reads garbage into the weights. torch's own fp16 recipe (``GradScaler.step``) is hit
+    the same way. Until the buffers exist, the skip is decided on the host instead.
+    """
+    for group in optimizer.param_groups:
+        if group.get("fused") and group.get("momentum", 0) != 0:
+            for p in group["params"]:
+                if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
+                    return True
+    return False
+
+
+def _step_under_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    if _compat.skips_on_device(optimizer) and not _first_step_needs_host(optimizer):
+        with _compat.device_verdict(optimizer, found_inf):  # skipped on the device: no host sync
+            optimizer.step()
+    elif not found_inf.item():  # nothing else guards the weights: the one host sync
+        optimizer.step()
+
+
+class ScalerGuard:
+    """Loss scaling through a ``torch.amp.GradScaler`` (or a subclass, such as FSDP's sharded one)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
+        self.scaler.unscale_(optimizer)
+        return _compat.scaler_found_inf(self.scaler, optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        if _first_step_needs_host(optimizer):
+            # Decide on the host this once; update() still backs off, since unscale_ recorded the verdict.
+            if not found_inf.item():
+                self.scaler.step(optimizer)
+            return
+        self.scaler.step(optimizer)  # fused optimizers skip on the device, others sync inside GradScaler
+
+    def update(self) -> None:
+        self.scaler.update()
+
+    def scale_tensor(self) -> torch.Tensor:
+        return _compat.scaler_scale_tensor(self.scaler)
+
+    def scale_value(self) -> float:
+        return self.scaler.get_scale()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.scaler.load_state_dict(state)
+
+
+class FiniteGuard:
+    """No loss scale; a step whose gradients hold an inf or NaN is skipped.
+
+    Args:
+        all_reduce_max: under several processes, makes every rank's verdict the maximum
+            over all ranks, so that all skip together.
+    """
+
+    scaler = None
+
+    def __init__(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.all_reduce_max = all_reduce_max
+        self._ones: dict[torch.device, torch.Tensor] = {}
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in grads:
+            g = _compat.dense_values(g)
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        device = next(iter(groups))[0] if groups else torch.device("cpu")
+        # fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for (where, _), tensors in groups.items():
+            ones = self._ones.get(where)
+            if ones is None:
+                ones = self._ones[where] = torch.ones((), dtype=torch.float32, device=where)
+            here = found if where == device else torch.zeros((), dtype=torch.float32, device=where)
+            _compat.non_finite_check_(tensors, here, ones)  # an inverse scale of 1 leaves the values alone
+            if here is not found:
+                found += here.to(device)
+        if self.all_reduce_max is not None:
+            self.all_reduce_max(found)
+        return found
+
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        _step_under_verdict(optimizer, found_inf)
+
+    def update(self) -> None:
+        pass
+
+    def scale_tensor(self) -> None:
+        return None
+
+    def scale_value(self) -> None:
+        return None
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass

@@ -1,0 +1,334 @@
+"""The loop around the step: ``fit`` and ``evaluate``, progress, callbacks, periodic checkpoints and exact-resume replay.
+
+Everything here works through a Trainer's public step and its override points, so a
+subclass's ``forward_batch`` and ``compute_loss`` are honoured in training and validation alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from . import checkpoint, diagnostics
+from . import distributed as _dist
+
+__all__ = ["LoopState", "fit", "evaluate", "batch_size"]
+
+log = logging.getLogger(__name__)
+_END = object()
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where training stands in the data: what a checkpoint needs to resume mid-epoch."""
+
+    epoch: int = 0  # completed epochs
+    batch_in_epoch: int = 0  # micro-batches consumed in the current epoch
+    rng_epoch_start: dict | None = None  # the RNG state the epoch's shuffle was drawn from
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """``fit``'s arguments, checked once."""
+
+    epochs: int
+    max_steps: int | None = None
+    progress: bool = True
+    callbacks: Sequence[Any] = ()
+    checkpoint_dir: str | os.PathLike | None = None
+    checkpoint_every: int | None = None
+    keep_last: int | None = None
+    log_every: int = 20
+    underflow_every: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("epochs", self.epochs, 0)
+        for name in ("max_steps", "checkpoint_every", "keep_last", "underflow_every"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        check_int("log_every", self.log_every, 1)
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+        if self.keep_last is not None and self.checkpoint_every is None:
+            raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
+
+    def reached(self, global_step: int) -> bool:
+        return self.max_steps is not None and global_step >= self.max_steps
+
+
+def check_int(name: str, value: object, low: int) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is an int >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def is_plateau(scheduler: Any) -> bool:
+    """True for schedulers stepped with a metric (ReduceLROnPlateau), which fit steps once per epoch."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def fit(trainer, train_loader: Iterable, plan: FitPlan, val_loader: Iterable | None,
+        metrics: Mapping[str, Any] | None) -> list[dict]:
+    """:meth:`Trainer.fit`'s body; see its docstring."""
+    metrics = check_metrics(metrics, val_loader)
+    if is_plateau(trainer.scheduler) and val_loader is None:
+        raise ValueError("the scheduler is a ReduceLROnPlateau, which fit steps with the validation loss at each "
+                         "epoch's end: pass a val_loader, or step it yourself around trainer.step")
+    if trainer.distributed:
+        # Each rank sees its share of the data; only rank 0 reports and writes.
+        train_loader = _dist.shard_loader(train_loader)
+        val_loader = _dist.shard_loader(val_loader) if val_loader is not None else None
+        plan = dataclasses.replace(plan, progress=plan.progress and _dist.is_main())
+    trainer.model.train()  # a model left in eval mode would train with frozen dropout and batch norms
+    engine, state = trainer.engine, trainer.loop_state
+    engine.probe = _underflow_probe(trainer, plan.underflow_every) if plan.underflow_every else None
+    history = []
+    try:
+        while state.epoch < plan.epochs and not plan.reached(engine.global_step):
+            record = _run_epoch(trainer, train_loader, plan)
+            if record["complete"] and val_loader is not None:
+                record.update(validate(trainer, val_loader, metrics))
+                if is_plateau(trainer.scheduler):
+                    trainer.scheduler.step(record["val_loss"])
+            history.append(record)
+            for cb in plan.callbacks:
+                if hasattr(cb, "on_epoch_end"):
+                    cb.on_epoch_end(trainer, record)
+    finally:
+        engine.probe = None
+    stats = trainer.stats
+    if stats.steps and _dist.is_main():
+        log.info("fit: %d optimizer steps, %d skipped (%.2f%%)%s", stats.steps, stats.skipped,
+                 100 * stats.skipped / stats.steps, f", loss scale {stats.scale:g}" if stats.scale is not None else "")
+    return history
+
+
+def _start_epoch(trainer, loader: Iterable) -> tuple[Any, int]:
+    """An iterator over this epoch's batches, fast-forwarded past those a checkpoint already consumed."""
+    state = trainer.loop_state
+    resume_at, resume_rng = state.batch_in_epoch, None
+    if resume_at == 0 or state.rng_epoch_start is None:
+        # The sampler and the DataLoader draw their seeds from this state when the iterator is made.
+        state.rng_epoch_start = checkpoint.rng_state()
+        resume_at = state.batch_in_epoch = 0
+    else:
+        resume_rng = checkpoint.rng_state()
+        checkpoint.set_rng_state(state.rng_epoch_start)
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(state.epoch)
+    iterator = iter(loader)
+    for done in range(resume_at):  # replay the same shuffle up to where the checkpoint stopped
+        if next(iterator, _END) is _END:
+            raise ValueError(f"the checkpoint stopped at batch {resume_at} of epoch {state.epoch + 1}, but this "
+                             f"train_loader has only {done} batches per epoch; resume with the same data")
+    if resume_rng is not None:
+        checkpoint.set_rng_state(resume_rng)
+    return iterator, resume_at
+
+
+def _step(trainer, batch: Any):
+    """``trainer.step`` with the batch counted; a failed step rewinds to the start of the window it discarded."""
+    engine, state = trainer.engine, trainer.loop_state
+    window, before = engine.micro, engine.global_step
+    try:
+        result = trainer.step(batch)
+    except BaseException:
+        # If the optimizer step completed before the error (the skip limit), this batch was consumed;
+        # otherwise the engine dropped the open window, and a later fit replays its batches.
+        state.batch_in_epoch += 1 if engine.global_step != before else -window
+        raise
+    state.batch_in_epoch += 1
+    return result
+
+
+def _run_epoch(trainer, loader: Iterable, plan: FitPlan) -> dict:
+    engine, state = trainer.engine, trainer.loop_state
+    iterator, resume_at = _start_epoch(trainer, loader)
+    total = len(loader) if hasattr(loader, "__len__") else None
+    bar = tqdm(total=total, initial=resume_at, desc=f"epoch {state.epoch + 1}/{plan.epochs}", disable=not plan.progress,
+               dynamic_ncols=True, leave=True)
+    tally = _Tally(trainer.device, engine.global_step, engine.stats.skipped, len(trainer.underflow_history))
+    complete = True
+    try:
+        for batch in iterator:
+            engine.sync_next = total is not None and state.batch_in_epoch + 1 == total
+            result = _step(trainer, batch)
+            tally.add(result, batch)
+            if plan.progress:
+                bar.update(1)
+                if tally.count % plan.log_every == 0:
+                    bar.set_postfix(_postfix(result, engine), refresh=False)
+            if _after_step(trainer, result, plan):
+                complete = total is not None and state.batch_in_epoch >= total  # stopped on the last batch
+                break
+        else:
+            result = trainer.flush()
+            if result is not None:
+                _after_step(trainer, result, plan)
+    finally:
+        engine.sync_next = False
+        bar.close()
+    if complete:
+        state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
+    return tally.record(trainer, complete)
+
+
+def _after_step(trainer, result, plan: FitPlan) -> bool:
+    """Callbacks and periodic checkpoints after a micro-step; True when ``max_steps`` is reached."""
+    for cb in plan.callbacks:
+        if hasattr(cb, "on_step_end"):
+            cb.on_step_end(trainer, result)
+    if not result.due:
+        return False
+    if plan.checkpoint_every is not None and trainer.global_step % plan.checkpoint_every == 0:
+        _periodic_save(trainer, Path(plan.checkpoint_dir), plan.keep_last)
+    return plan.reached(trainer.global_step)
+
+
+class _Tally:
+    """An epoch's running loss, sample count and the counters at its start."""
+
+    def __init__(self, device: torch.device, steps: int, skipped: int, measured: int):
+        self.loss_sum, self.count, self.samples = torch.zeros((), dtype=torch.float32, device=device), 0, 0
+        self.steps_before, self.skipped_before, self.measured_before = steps, skipped, measured
+        self.start = time.perf_counter()
+
+    def add(self, result, batch: Any) -> None:
+        self.loss_sum += result._loss
+        self.count += 1
+        self.samples += batch_size(batch) or 0
+
+    def record(self, trainer, complete: bool) -> dict:
+        elapsed = time.perf_counter() - self.start
+        loss_sum, count, samples = self.loss_sum, self.count, self.samples
+        if trainer.distributed:
+            device = trainer.device
+            totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), torch.tensor(float(count), device=device),
+                                                        torch.tensor(float(samples), device=device)]))
+            loss_sum, count, samples = totals[0], int(totals[1]), int(totals[2])
+        stats, state = trainer.stats, trainer.loop_state
+        measured = trainer.underflow_history[self.measured_before:]
+        underflow = {k: measured[-1][k] for k in ("underflow", "underflow_scaled")} if measured else {}
+        return {
+            "epoch": state.epoch if complete else state.epoch + 1,
+            "complete": complete,
+            "train_loss": float(loss_sum) / count if count else float("nan"),
+            "steps": trainer.global_step - self.steps_before,
+            "skipped": stats.skipped - self.skipped_before,
+            "time_s": elapsed,
+            "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
+            **{f"stats_{k}": v for k, v in dataclasses.asdict(stats).items()},
+            **underflow,
+        }
+
+
+def _postfix(result, engine) -> dict:
+    postfix = {"loss": f"{result.loss:.4g}", "skipped": engine.stats.skipped}
+    if engine.last_scale is not None:
+        postfix["scale"] = f"{result.scale:g}"
+    return postfix
+
+
+def _periodic_save(trainer, directory: Path, keep_last: int | None) -> None:
+    trainer.save(directory / f"step-{trainer.global_step:08d}.pt")
+    if keep_last is not None and _dist.is_main():
+        for old in sorted(directory.glob("step-*.pt"))[:-keep_last]:
+            old.unlink(missing_ok=True)
+
+
+def _underflow_probe(trainer, every: int):
+    """Measures underflow on the unscaled gradients every ``every`` optimizer steps, into ``trainer.underflow_history``."""
+    def probe(step: int) -> None:
+        if step % every:
+            return
+        # Against the policy's own reduced dtype, or fp16 for an fp32 policy: what would fp16 lose here?
+        dtype = trainer.policy.compute_dtype if trainer.policy.compute_dtype != torch.float32 else torch.float16
+        scale = trainer.engine.guard.scale_value() or 65536.0
+        trainer.underflow_history.append({"step": step, **diagnostics.underflow_summary(trainer.model, dtype, scale)})
+    return probe
+
+
+def evaluate(trainer, loader: Iterable, metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """:meth:`Trainer.evaluate`'s body."""
+    return validate(trainer, loader, check_metrics(metrics, loader))
+
+
+def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, float]:
+    """Mean loss and metrics over ``loader`` in eval mode, without grad, under the policy's autocast and flags."""
+    model, device = trainer.model, trainer.device
+    was_training = model.training
+    model.eval()
+    for metric in metrics.values():
+        metric.to(device)
+        metric.reset()
+    loss_sum, count = torch.zeros((), dtype=torch.float32, device=device), 0
+    try:
+        # The flags of the policy in force now: autotune may have replaced the one fit started with.
+        with trainer.policy.backend_flags(), torch.no_grad():
+            for batch in loader:
+                batch = trainer.to_device(batch)
+                with trainer.policy.autocast(device.type):
+                    loss, outputs, targets = trainer._evaluation_step(batch, bool(metrics))
+                n = batch_size(batch) or 1
+                loss_sum += loss.float() * n
+                count += n
+                if isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+                    outputs = outputs.float()
+                for metric in metrics.values():
+                    metric.update(outputs, targets)
+        if trainer.distributed:
+            totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), torch.tensor(float(count), device=device)]))
+            loss_sum, count = totals[0], int(totals[1])
+        # torchmetrics syncs each metric's state across ranks in compute().
+        result = {"val_loss": float(loss_sum) / count if count else float("nan")}
+        for name, metric in metrics.items():
+            value = metric.compute()
+            result[name] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else (
+                value.tolist() if isinstance(value, torch.Tensor) else value)
+            metric.reset()
+        return result
+    finally:
+        model.train(was_training)
+
+
+def check_metrics(metrics: Mapping[str, Any] | None, loader: Iterable | None) -> dict[str, Any]:
+    """A dict of torchmetrics ``Metric`` objects, checked.
+
+    Raises:
+        ValueError: metrics without a loader to compute them on.
+        TypeError: not a mapping of ``Metric`` objects.
+    """
+    if not metrics:
+        return {}
+    if loader is None:
+        raise ValueError("metrics are computed on val_loader: pass val_loader too")
+    from torchmetrics import Metric
+
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict of name -> torchmetrics.Metric, got {type(metrics).__name__}")
+    for name, metric in metrics.items():
+        if not isinstance(metric, Metric):
+            raise TypeError(f"metrics[{name!r}] must be a torchmetrics.Metric, got {type(metric).__name__}")
+    return dict(metrics)
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in a (nested) batch; None when it holds no tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = batch_size(item)
+            if size is not None:
+                return size
+    return None

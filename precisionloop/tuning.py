@@ -1,0 +1,257 @@
+"""Choose a precision by measuring the candidates on the user's own model and batch.
+
+The public entry point is :func:`precisionloop.autotune`. Candidates are timed with
+:func:`precisionloop.measure.interleaved` (fresh copies in rotating rounds) and trained with
+the same step engine the Trainer uses, so what is chosen is what will run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from . import checkpoint, measure
+from .engine import StepEngine, compile_mode, prepare_model, to_device
+from .policy import PrecisionPolicy, _as_device, get_policy
+
+__all__ = ["autotune", "Candidate", "AutotuneResult", "CandidateResult", "default_candidates"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration to try: a precision spec, a channels_last choice and a compile choice."""
+
+    precision: str
+    channels_last: bool | None = None
+    compile: bool | str = False
+
+    def policy(self, device: torch.device) -> PrecisionPolicy:
+        return dataclasses.replace(get_policy(self.precision, device), channels_last=self.channels_last)
+
+    @property
+    def label(self) -> str:
+        layout = {None: "", True: " +channels_last", False: " NCHW"}[self.channels_last]
+        compiled = "" if not self.compile else f" +compile({'auto' if self.compile is True else self.compile})"
+        return f"{self.precision}{layout}{compiled}"
+
+    def complexity(self, model: nn.Module, device: torch.device) -> tuple[int, int]:
+        """(compiled, not the policy's default layout): the tie rule prefers the smaller."""
+        conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+        natural = conv and device.type == "cuda"  # what a policy with channels_last=None picks
+        layout = natural if self.channels_last is None else (self.channels_last and conv)
+        return int(bool(self.compile)), int(layout != natural)
+
+
+@dataclasses.dataclass
+class CandidateResult:
+    """One candidate's measurement and verdict."""
+
+    candidate: Candidate
+    timing: measure.Measurement | None = None
+    skipped: int = 0
+    drift: float | None = None
+    rejected: str | None = None
+    note: str = ""
+
+    @property
+    def median_ms(self) -> float | None:
+        return self.timing.median_ms if self.timing is not None else None
+
+    @property
+    def peak_mb(self) -> float | None:
+        return self.timing.peak_mb if self.timing is not None else None
+
+
+@dataclasses.dataclass
+class AutotuneResult:
+    """The chosen candidate, its policy, and the table the choice was made from."""
+
+    best: Candidate
+    policy: PrecisionPolicy
+    results: list[CandidateResult]
+    tolerance: float
+
+    def __str__(self) -> str:
+        width = max(len(r.candidate.label) for r in self.results)
+        lines = [f"{'candidate':<{width}}  {'median ms [min-max] over rounds':>32}  {'peak mem':>12}  {'skipped':>7}  "
+                 f"{'loss drift':>10}  verdict"]
+        for r in sorted(self.results, key=lambda r: (r.rejected is not None, r.median_ms or math.inf)):
+            ms = measure.format_time(r.timing) if r.timing is not None and r.timing.rounds_ms else "-"
+            mem = measure.format_memory(r.timing) if r.timing is not None else "n/a"
+            drift = f"{r.drift:.2e}" if r.drift is not None else "-"
+            verdict = "CHOSEN" if r.candidate == self.best else (f"rejected: {r.rejected}" if r.rejected else "ok")
+            lines.append(f"{r.candidate.label:<{width}}  {ms:>32}  {mem:>12}  {r.skipped:>7}  {drift:>10}  {verdict}{r.note}")
+        lines.append(f"(loss drift: the largest gap to the strict-fp32 loss over the same steps, over the first loss; "
+                     f"limit {self.tolerance:g})")
+        legend = measure.noisy_legend(r.timing for r in self.results if r.timing is not None)
+        return "\n".join(lines + ([legend] if legend else []))
+
+
+def default_candidates(model: nn.Module, device: str | torch.device | None = None, *, compile: bool = False) -> list[Candidate]:
+    """fp32, tf32, bf16 and fp16; with and without channels_last for conv models; compiled too if asked.
+
+    On the CPU, tf32 (the same as fp32 there) and fp16 (very slow there) are left out.
+    """
+    device = _as_device(device)
+    precisions = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
+    layouts: list[bool | None] = [True, False] if any(isinstance(m, nn.Conv2d) for m in model.modules()) else [None]
+    compiles: list[bool | str] = [False, True] if compile else [False]
+    return [Candidate(p, layout, c) for p in precisions for layout in layouts for c in compiles]
+
+
+def autotune(
+    model: nn.Module,
+    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    sample_batch: Any,
+    candidates: Sequence[Candidate] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    loss_fn: Callable | None = None,
+    loss_for: Callable[[nn.Module], Callable[[Any], torch.Tensor]] | None = None,
+    steps: int = 10,
+    warmup: int = 3,
+    rounds: int = 3,
+    tolerance: float = 0.05,
+    verbose: bool = True,
+) -> AutotuneResult:
+    """Train copies of ``model`` for a few steps under each candidate and pick the fastest sound one.
+
+    Every candidate is timed in ``rounds`` interleaved rounds, a fresh copy of the model from
+    the same weights each round, the order of candidates rotated per round; its time is the
+    median over rounds, with the min-max spread. A candidate is rejected when it skips a
+    step, when its loss differs from the strict-fp32 run's at any step of the first round by
+    more than ``tolerance`` times the first loss, or when it fails. When candidates are
+    within each other's spread, the simpler one wins (eager over compiled, the policy's
+    default layout over the other), and the table says so. ``model`` itself is not touched.
+
+    Args:
+        model: the model to tune for.
+        optimizer_factory: builds a fresh optimizer from parameters, e.g.
+            ``lambda params: torch.optim.AdamW(params, lr=1e-3)``.
+        sample_batch: one real batch, as ``Trainer.step`` takes it.
+        candidates: what to try; :func:`default_candidates` when None.
+        device: where to train; CUDA when available.
+        loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
+        loss_for: instead of ``loss_fn``, ``loss_for(model)`` returns the loss function of a
+            batch on that model (the Trainer passes its ``compute_loss``, a subclass's too).
+        steps: timed steps per candidate and round.
+        warmup: untimed steps first (they count towards the loss comparison).
+        rounds: interleaved rounds per candidate.
+        tolerance: the largest loss gap to strict fp32 accepted, as a fraction of the first loss.
+        verbose: print the table the choice was made from.
+
+    Raises:
+        ValueError: bad arguments.
+        RuntimeError: every candidate was rejected.
+
+    Example:
+        >>> import torch
+        >>> from precisionloop import autotune
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        >>> batch = (torch.randn(32, 8), torch.randint(0, 3, (32,)))
+        >>> result = autotune(model, lambda p: torch.optim.SGD(p, lr=0.1), batch, device="cpu", steps=2, rounds=2, verbose=False)
+        >>> result.best.precision in {"fp32", "bf16"}
+        True
+    """
+    device = _as_device(device)
+    if steps < 1 or warmup < 0 or rounds < 1 or not tolerance > 0:
+        raise ValueError(f"need steps >= 1, warmup >= 0, rounds >= 1 and tolerance > 0; got {steps}, {warmup}, {rounds}, {tolerance}")
+    candidates = list(candidates) if candidates is not None else default_candidates(model, device)
+    if not candidates:
+        raise ValueError("no candidates to try")
+    loss_for = loss_for or _plain_loss(loss_fn or nn.functional.cross_entropy)
+    reference = Candidate("fp32", channels_last=False)
+    runs = [reference] + [c for c in candidates if c != reference]
+    trials = {c: _Trial(c, model, optimizer_factory, sample_batch, device, loss_for) for c in runs}
+    rng = checkpoint.rng_state()  # trials reseed for equal dropout masks; the caller's RNG must not notice
+    try:
+        timings = measure.interleaved({c.label: t.build for c, t in trials.items()}, rounds=rounds, iters=steps,
+                                      warmup=warmup, device=device)
+    finally:
+        checkpoint.set_rng_state(rng)
+    results = _judge(runs, trials, timings, tolerance)
+    accepted = [r for r in results if r.rejected is None and r.candidate in candidates]
+    if not accepted:
+        raise RuntimeError("autotune: every candidate was rejected:\n" + "\n".join(
+            f"  {r.candidate.label}: {r.rejected}" for r in results if r.candidate in candidates))
+    best = _choose(accepted, model, device)
+    outcome = AutotuneResult(best, best.policy(device), [r for r in results if r.candidate in candidates], tolerance)
+    log.info("autotune chose %s", best.label)
+    if verbose:
+        print(outcome)
+    return outcome
+
+
+def _plain_loss(loss_fn: Callable) -> Callable[[nn.Module], Callable[[Any], torch.Tensor]]:
+    def loss_for(model: nn.Module) -> Callable[[Any], torch.Tensor]:
+        return lambda batch: loss_fn(model(batch[0]), batch[1])
+    return loss_for
+
+
+class _Trial:
+    """A candidate's factory for :func:`measure.interleaved`: a fresh copy per round, losses of the first round kept."""
+
+    def __init__(self, candidate: Candidate, model, optimizer_factory, batch, device: torch.device, loss_for):
+        self.candidate, self.model, self.optimizer_factory = candidate, model, optimizer_factory
+        self.batch, self.device, self.loss_for = batch, device, loss_for
+        self.losses: list[float] | None = None
+        self.skipped = 0
+
+    def build(self) -> measure.Run:
+        torch.manual_seed(0)  # the same dropout masks for every candidate and round
+        policy, mode = self.candidate.policy(self.device), compile_mode(self.candidate.compile, self.device)
+        model = copy.deepcopy(self.model).to(self.device)
+        optimizer = self.optimizer_factory(model.parameters())
+        model, input_format = prepare_model(model, policy, mode, None, self.device, optimizer)
+        engine = StepEngine(model, optimizer, self.device, loss_of=self.loss_for(model), scheduler=None,
+                            grad_accum_steps=1, max_grad_norm=None, max_consecutive_skips=2**62, distributed=None)
+        engine.configure(model, policy, policy.make_guard(self.device.type), mode)
+        batch, results = to_device(self.batch, self.device, input_format), []
+
+        def teardown() -> None:
+            engine.settle()
+            self.skipped = max(self.skipped, engine.stats.skipped)
+            if self.losses is None:
+                self.losses = [r.loss for r in results]
+
+        return measure.Run(lambda: results.append(engine.step(batch)), context=policy.backend_flags(), teardown=teardown)
+
+
+def _judge(runs: list[Candidate], trials: dict, timings: dict, tolerance: float) -> list[CandidateResult]:
+    reference = trials[runs[0]].losses
+    results = []
+    for c in runs:
+        trial, timing = trials[c], timings[c.label]
+        result = CandidateResult(c, timing, skipped=trial.skipped)
+        if timing.error is not None:
+            result.rejected = timing.error.splitlines()[0][:100]
+        elif reference is None:
+            result.rejected = "the strict-fp32 reference failed, so the loss cannot be compared"
+        else:
+            # Relative to the first loss: a ratio to the current loss blows up as training drives it to 0.
+            result.drift = max(abs(a - b) for a, b in zip(trial.losses, reference)) / max(abs(reference[0]), 1e-8)
+            if trial.skipped:
+                result.rejected = f"skipped {trial.skipped} of {len(trial.losses)} steps"
+            elif not math.isfinite(result.drift) or result.drift > tolerance:
+                result.rejected = f"loss drift {result.drift:.2e} > {tolerance:g}"
+        results.append(result)
+    return results
+
+
+def _choose(accepted: list[CandidateResult], model: nn.Module, device: torch.device) -> Candidate:
+    """The fastest by median, unless a simpler candidate's spread overlaps the fastest's: then the simplest such."""
+    fastest = min(accepted, key=lambda r: r.median_ms)
+    tied = [r for r in accepted if r.timing.min_ms <= fastest.timing.max_ms and fastest.timing.min_ms <= r.timing.max_ms]
+    chosen = min(tied, key=lambda r: (r.candidate.complexity(model, device), r.median_ms))
+    if chosen is not fastest:
+        chosen.note = f" (within the spread of {fastest.candidate.label}, and simpler)"
+        fastest.note = f" (faster by median, but within {chosen.candidate.label}'s spread)"
+    return chosen.candidate
