@@ -51,17 +51,39 @@ def test_bad_compile_mode_is_rejected_at_construction():
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", compile="fastest")
 
 
-def test_compile_failure_is_an_error_not_a_silent_fallback(monkeypatch):
-    import torch._inductor.compile_fx
+@torch.library.custom_op("precisionloop_test::untraceable", mutates_args=())
+def _untraceable(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
 
-    def broken_backend(*args, **kwargs):
-        raise RuntimeError("backend exploded")
 
-    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken_backend)
+@_untraceable.register_fake
+def _(x):
+    raise RuntimeError("this op cannot be traced")
+
+
+class _Untraceable(torch.nn.Module):
+    """Runs eagerly, but torch.compile cannot trace it: its fake (meta) implementation raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.linear(_untraceable(x))
+
+
+def test_compile_failure_is_an_error_not_a_silent_fallback():
+    # Public APIs only (torch.library), so the same failure reaches every torch version's compile path.
     torch._dynamo.reset()
-    model = tiny_mlp()
+    model = _Untraceable()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", compile="default")
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="compile=False") as info:
         trainer.step(batches(1)[0])
-    assert "backend exploded" in str(info.value) or "backend exploded" in str(info.value.__cause__)
+    assert "cannot be traced" in str(info.value) or "cannot be traced" in str(info.value.__cause__)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    plain = _Untraceable()
+    eager = Trainer(plain, torch.optim.SGD(plain.parameters(), lr=0.1), "fp32", device="cpu")
+    assert eager.step(batches(1)[0]).stepped  # the model itself is fine eagerly
     torch._dynamo.reset()

@@ -1,0 +1,94 @@
+"""Pins every private torch API behind precisionloop._compat: a torch upgrade that changes one fails here, loudly.
+
+These run on the CPU (torch 2.14 in CI) and on the GPU machine (torch 2.11).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from precisionloop import _compat
+
+
+def _grad_model():
+    model = nn.Linear(3, 2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    return model
+
+
+def test_scaler_found_inf_reads_the_verdict_of_unscale():
+    model = _grad_model()
+    model.weight.grad[0, 0] = float("inf")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(optimizer)
+    found = _compat.scaler_found_inf(scaler, optimizer)
+    assert isinstance(found, torch.Tensor) and found.item() == 1.0
+    assert torch.equal(model.bias.grad, torch.full_like(model.bias, 0.25))  # unscaled by 1/4
+
+
+def test_scaler_scale_tensor_is_the_scale_on_the_device():
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))  # the scale tensor exists after the first scale()
+    scale = _compat.scaler_scale_tensor(scaler)
+    assert isinstance(scale, torch.Tensor) and scale.item() == 8.0 == scaler.get_scale()
+
+
+def test_non_finite_check_sets_found_and_multiplies():
+    grads = [torch.tensor([1.0, 2.0]), torch.tensor([float("nan")])]
+    found = torch.zeros(())
+    _compat.non_finite_check_(grads, found, torch.full((), 0.5))
+    assert found.item() == 1.0 and grads[0].tolist() == [0.5, 1.0]
+    clean, found = [torch.tensor([4.0])], torch.zeros(())
+    _compat.non_finite_check_(clean, found, torch.ones(()))
+    assert found.item() == 0.0 and clean[0].item() == 4.0
+
+
+def test_fused_optimizers_take_the_verdict_on_the_device():
+    params = list(_grad_model().parameters())
+    assert _compat.skips_on_device(torch.optim.SGD(params, lr=0.1, fused=True))
+    assert _compat.skips_on_device(torch.optim.AdamW(params, lr=0.1, fused=True))
+    assert not _compat.skips_on_device(torch.optim.SGD(params, lr=0.1))
+    optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)
+    before = [p.detach().clone() for p in params]
+    with _compat.device_verdict(optimizer, torch.ones(())):
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # skipped on the device
+    assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
+    with _compat.device_verdict(optimizer, torch.zeros(())):
+        optimizer.step()
+    assert not torch.equal(params[0], before[0])
+
+
+def test_foreach_arithmetic():
+    tensors = [torch.ones(2), torch.full((3,), 4.0)]
+    _compat.foreach_mul_(tensors, 3.0)
+    _compat.foreach_div_(tensors, 2.0)
+    assert tensors[0].tolist() == [1.5, 1.5] and tensors[1].tolist() == [6.0] * 3
+
+
+def test_compile_modes_and_errors():
+    modes = _compat.compile_modes()
+    assert {"default", "reduce-overhead", "max-autotune"} <= set(modes)
+    types = _compat.compile_error_types()
+    assert all(isinstance(t, type) and issubclass(t, BaseException) for t in types)
+
+
+def test_cpu_bf16_native_is_a_bool():
+    assert isinstance(_compat.cpu_bf16_native(), bool)
+
+
+def test_is_batch_norm():
+    assert _compat.is_batch_norm(nn.BatchNorm2d(3)) and _compat.is_batch_norm(nn.InstanceNorm1d(3))
+    assert not _compat.is_batch_norm(nn.LayerNorm(3)) and not _compat.is_batch_norm(nn.GroupNorm(1, 3))
+
+
+def test_dense_values_of_a_sparse_gradient():
+    embedding = nn.Embedding(10, 4, sparse=True)
+    embedding(torch.tensor([1, 3])).sum().backward()
+    values = _compat.dense_values(embedding.weight.grad)
+    assert not values.is_sparse and values.shape[-1] == 4
+    dense = torch.ones(3)
+    assert _compat.dense_values(dense) is dense
