@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import distributed as _dist
+from . import fp32_modules
 
 FORMAT = "precisionloop-checkpoint"
 VERSION = 1
@@ -127,7 +128,7 @@ def trainer_state(trainer) -> dict:
     return {
         "format": FORMAT,
         "version": VERSION,
-        "precision": trainer.policy.name,
+        **policy_record(trainer.policy),
         "world_size": _dist.world_size(),
         "model": model_state,
         "optimizer": optimizer_state,
@@ -146,6 +147,17 @@ def trainer_state(trainer) -> dict:
         "rng_per_rank": _dist.gather_objects(rng) if engine.distributed else None,
         "rng_epoch_start": loop.rng_epoch_start,
     }
+
+
+def policy_record(policy) -> dict:
+    """What a checkpoint records of the policy: its name, and the modules it keeps in fp32."""
+    return {"precision": policy.name, "keep_fp32": fp32_modules.entry_names(policy.keep_fp32)}
+
+
+def precision_of(state: dict) -> str:
+    """The precision a checkpoint (or :func:`policy_record`) names, with ``keep_fp32`` when set, for messages."""
+    keep = state.get("keep_fp32") or []
+    return repr(state.get("precision")) + (f" keeping {', '.join(keep)} in fp32" if keep else "")
 
 
 def restore_trainer(trainer, state: dict, source: str) -> None:

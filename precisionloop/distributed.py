@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from . import _compat
+from . import _compat, fp32_modules
 from .guard import FiniteGuard, GradientGuard, ScalerGuard
 from .policy import PrecisionPolicy
 
@@ -101,11 +101,13 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
     reduced = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
     # Parameters are cast to the policy's compute dtype for forward/backward; gradients reduce in fp32.
     mp = MixedPrecisionPolicy(param_dtype=reduced, reduce_dtype=torch.float32)
-    # Batch/instance norms keep fp32 parameters, to match their fp32 running statistics (as autocast does).
-    norm_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    for module in model.modules():
-        if _compat.is_batch_norm(module) and module.affine and module is not model:
-            fully_shard(module, mp_policy=norm_mp)
+    # Batch/instance norms keep fp32 parameters, to match their fp32 running statistics (as autocast does),
+    # and so do the policy's keep_fp32 modules, which compute in fp32.
+    fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for module in reversed(list(model.modules())):  # inner modules first: fully_shard goes bottom-up
+        kept = fp32_modules.is_kept(module) or (_compat.is_batch_norm(module) and module.affine)
+        if kept and module is not model and any(True for _ in module.parameters()):
+            fully_shard(module, mp_policy=fp32_mp)
     for child in model.children():
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
             fully_shard(child, mp_policy=mp)

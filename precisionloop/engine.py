@@ -220,7 +220,8 @@ class StepEngine:
         # Tells CUDA-graph trees a new iteration begins, so the last step's outputs may be reused; a no-op otherwise.
         torch.compiler.cudagraph_mark_step_begin()
         try:
-            return self._step(batch)
+            with _compat.compiled_backward_like_eager():
+                return self._step(batch)
         except _compat.compile_error_types() as e:
             raise RuntimeError(
                 f"torch.compile(mode={self.compile_mode!r}) failed on {type(_dist.unwrap(self.model)).__name__}: "

@@ -14,7 +14,7 @@ from typing import Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
-from . import _compat
+from . import _compat, fp32_modules
 from .guard import FiniteGuard, GradientGuard, ScalerGuard
 
 __all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "FP16Policy", "get_policy", "PRECISIONS"]
@@ -36,7 +36,13 @@ class PrecisionPolicy:
         cudnn_benchmark: autotune cuDNN algorithms; ``None`` follows ``tf32``.
         channels_last: ``None`` puts models with 2-D convolutions into
             channels_last on CUDA only; ``True`` always; ``False`` never.
+        keep_fp32: modules to run in fp32 under autocast: module classes (matched with
+            isinstance) or name patterns (fnmatch over ``model.named_modules()`` names).
+            A kept module runs with autocast off, on fp32 inputs, and gives fp32 outputs.
         note: why this policy was chosen (filled in by ``get_policy("auto")``).
+
+    Raises:
+        TypeError: a ``keep_fp32`` entry is neither a module class nor a string.
 
     Example:
         >>> import torch
@@ -54,7 +60,11 @@ class PrecisionPolicy:
     tf32: bool = True
     cudnn_benchmark: bool | None = None
     channels_last: bool | None = None
+    keep_fp32: tuple = ()
     note: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keep_fp32", fp32_modules.validate_keep_fp32(self.keep_fp32))  # frozen: normalise once
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         """A context manager for the forward pass and the loss."""
@@ -91,11 +101,20 @@ class PrecisionPolicy:
             return torch.channels_last
         return torch.contiguous_format
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Check that the model's device supports this policy and convert its layout.
+    def check_model(self, model: nn.Module) -> None:
+        """Raise, before anything changes, if this policy cannot apply to ``model``.
 
         Raises:
-            ValueError: the device cannot run ``compute_dtype`` natively.
+            ValueError: a ``keep_fp32`` pattern matches no module (the message names close ones).
+        """
+        fp32_modules.select_modules(model, self.keep_fp32)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Check that the model's device supports this policy, convert its layout, keep ``keep_fp32`` modules fp32.
+
+        Raises:
+            ValueError: the device cannot run ``compute_dtype`` natively, or a
+                ``keep_fp32`` pattern matches no module.
         """
         device = next((p.device for p in model.parameters()), None)
         if device is not None:
@@ -103,6 +122,7 @@ class PrecisionPolicy:
         memory_format = self.memory_format(model)
         if memory_format is not torch.contiguous_format:
             model = model.to(memory_format=memory_format)
+        fp32_modules.keep_fp32_(model, self.keep_fp32)
         return model
 
 
@@ -148,6 +168,7 @@ class FP16Policy(PrecisionPolicy):
     growth_interval: int = 2000
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.init_scale > 0:
             raise ValueError(f"init_scale must be > 0, got {self.init_scale!r}")
         if not self.growth_factor > 1:

@@ -93,6 +93,7 @@ class Trainer:
                              "the chosen policy to the distributed Trainer")
         self.device = _as_device(device)
         policy = get_policy(precision, self.device)
+        policy.check_model(model)
         _check_master_weights(model, policy)
         _check_optimizer(model, optimizer)
         mode = compile_mode(compile, self.device)
@@ -324,10 +325,10 @@ class Trainer:
             self._configure(get_policy(state.get("precision"), self.device), None)
             self._autotune_compile = None
             log.info("autotune skipped: resuming under the checkpoint's precision %s", self.policy.name)
-        if state.get("precision") != self.policy.name:
-            warnings.warn(f"{source} was saved under precision {state.get('precision')!r} and is loaded under "
-                          f"{self.policy.name!r}; the loss-scaler state does not carry over between them",
-                          UserWarning, stacklevel=3)
+        saved, now = checkpoint.precision_of(state), checkpoint.precision_of(checkpoint.policy_record(self.policy))
+        if saved != now:
+            warnings.warn(f"{source} was saved under precision {saved} and is loaded under {now}; "
+                          "the loss-scaler state does not carry over between them", UserWarning, stacklevel=3)
         checkpoint.restore_trainer(self, state, source)
 
     def save(self, path: str | os.PathLike) -> Path:
