@@ -48,6 +48,17 @@ def device_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) ->
         del optimizer.grad_scale, optimizer.found_inf
 
 
+def use_fused_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """Make a torch SGD/Adam/AdamW without state run its fused kernels, as if built with ``fused=True``."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, False
+    optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
+    # What the constructors set for fused=True: the GradScaler contract, and SGD's device/dtype check.
+    optimizer._step_supports_amp_scaling = True
+    if isinstance(optimizer, torch.optim.SGD):
+        optimizer._need_device_dtype_check_for_fused = True
+
+
 def foreach_mul_(tensors: list[torch.Tensor], factor: float) -> None:
     """Multiply every tensor in place, in as few kernels as torch can."""
     torch._foreach_mul_(tensors, factor)

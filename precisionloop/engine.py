@@ -167,6 +167,7 @@ class StepEngine:
         self.guard: GradientGuard | None = None
         self.compile_mode: str | None = None
         self.last_scale: Any = None
+        self.last_loss: float | None = None  # the loss of the last booked optimizer step, on the host
         self.stats = TrainStats()
         self.micro = 0  # micro-batches since the last optimizer step
         self.global_step = 0  # optimizer steps taken or skipped
@@ -254,10 +255,11 @@ class StepEngine:
         self.guard.step(self.optimizer, found_inf)
         self.guard.update()
         scale = self.guard.scale_tensor()
-        verdict = found_inf.reshape(1).float()
+        # One small tensor carries the verdict, the loss and the scale to the host in one copy.
+        verdict = torch.cat([found_inf.reshape(1).float(), loss.reshape(1).float()]
+                            + ([] if scale is None else [scale.reshape(1).float()]))
         if scale is not None:
-            verdict = torch.cat([verdict, scale.reshape(1).float()])
-            self.last_scale = verdict[1]
+            self.last_scale = verdict[2]
         self.optimizer.zero_grad(set_to_none=True)
         self.micro, self.unsynced = 0, False
         self.global_step += 1
@@ -292,7 +294,7 @@ class StepEngine:
         if event is not None:
             event.synchronize()  # waits for that step only, not for work queued since
         values = host.tolist()
-        skipped, scale = bool(values[0]), (values[1] if len(values) > 1 else None)
+        skipped, self.last_loss, scale = bool(values[0]), values[1], (values[2] if len(values) > 2 else None)
         self.stats._record(skipped, scale)
         if not skipped:
             self.consecutive_skips = 0

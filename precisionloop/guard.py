@@ -22,7 +22,7 @@ import torch
 
 from . import _compat
 
-__all__ = ["GradientGuard", "ScalerGuard", "FiniteGuard"]
+__all__ = ["GradientGuard", "ScalerGuard", "FiniteGuard", "fuse_default_optimizer"]
 
 
 class GradientGuard(Protocol):
@@ -40,28 +40,58 @@ class GradientGuard(Protocol):
     def load_state_dict(self, state: dict | None) -> None: ...
 
 
-def _first_step_needs_host(optimizer: torch.optim.Optimizer) -> bool:
-    """True while a fused SGD with momentum has no momentum buffers yet.
+class _FirstStepCheck:
+    """Whether a fused SGD with momentum still lacks momentum buffers, checked until it has them.
 
     torch's fused SGD allocates the buffers with ``empty_like`` and fills them in the
     kernel; a step skipped on the device leaves them uninitialised, and the next step
     reads garbage into the weights. torch's own fp16 recipe (``GradScaler.step``) is hit
-    the same way. Until the buffers exist, the skip is decided on the host instead.
+    the same way. Until the buffers exist, the skip is decided on the host instead. Once
+    they do, the check costs one count per step (parameters added later are checked again).
     """
-    for group in optimizer.param_groups:
-        if group.get("fused") and group.get("momentum", 0) != 0:
-            for p in group["params"]:
-                if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
-                    return True
-    return False
+
+    def __init__(self) -> None:
+        self._ready_at = -1  # the parameter count at which every buffer was found
+
+    def needs_host(self, optimizer: torch.optim.Optimizer) -> bool:
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        if count == self._ready_at:
+            return False
+        for group in optimizer.param_groups:
+            if group.get("fused") and group.get("momentum", 0) != 0:
+                for p in group["params"]:
+                    if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
+                        return True
+        self._ready_at = count
+        return False
 
 
-def _step_under_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    if _compat.skips_on_device(optimizer) and not _first_step_needs_host(optimizer):
+def _step_under_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, first: _FirstStepCheck) -> None:
+    if _compat.skips_on_device(optimizer) and not first.needs_host(optimizer):
         with _compat.device_verdict(optimizer, found_inf):  # skipped on the device: no host sync
             optimizer.step()
     elif not found_inf.item():  # nothing else guards the weights: the one host sync
         optimizer.step()
+
+
+def fuse_default_optimizer(optimizer: torch.optim.Optimizer, device_types: tuple[str, ...] = ("cuda",)) -> bool:
+    """Switch a torch SGD, Adam or AdamW left at its default implementation to its fused one; True if switched.
+
+    The fused kernels take the skip verdict as a device tensor, so a guarded step needs no
+    host sync; the default (foreach) ones need the verdict on the host first. The algorithm
+    and every hyperparameter stay the same. Left alone: other classes (subclasses too), an
+    optimizer with state, and any group that set ``fused``, ``foreach``, ``capturable`` or
+    ``differentiable`` itself, or holds a parameter the fused kernels cannot take.
+    """
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
+        return False
+    for group in optimizer.param_groups:
+        if group.get("fused") is not None or group.get("foreach") or group.get("capturable") or group.get("differentiable"):
+            return False
+        if not all(p.device.type in device_types and p.is_floating_point() for p in group["params"]):
+            return False
+    _compat.use_fused_implementation(optimizer)
+    return True
 
 
 class ScalerGuard:
@@ -69,6 +99,7 @@ class ScalerGuard:
 
     def __init__(self, scaler: torch.amp.GradScaler):
         self.scaler = scaler
+        self._first = _FirstStepCheck()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss)
@@ -78,7 +109,7 @@ class ScalerGuard:
         return _compat.scaler_found_inf(self.scaler, optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-        if _first_step_needs_host(optimizer):
+        if self._first.needs_host(optimizer):
             # Decide on the host this once; update() still backs off, since unscale_ recorded the verdict.
             if not found_inf.item():
                 self.scaler.step(optimizer)
@@ -115,6 +146,7 @@ class FiniteGuard:
     def __init__(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.all_reduce_max = all_reduce_max
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self._first = _FirstStepCheck()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -140,7 +172,7 @@ class FiniteGuard:
         return found
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-        _step_under_verdict(optimizer, found_inf)
+        _step_under_verdict(optimizer, found_inf, self._first)
 
     def update(self) -> None:
         pass

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import checkpoint, loop
 from . import distributed as _dist
+from .guard import fuse_default_optimizer
 from .engine import StepEngine, StepResult, TrainStats, compile_mode, prepare_model, to_device
 from .policy import PrecisionPolicy, _as_device, _parse_device, get_policy
 from .tuning import autotune as _autotune
@@ -53,6 +54,11 @@ class Trainer:
             process group is initialised if needed (NCCL on CUDA, gloo on the CPU) and
             the device follows LOCAL_RANK. ``None`` never distributes. A model you
             wrapped yourself is used as it is.
+        fuse_optimizer: on CUDA, a torch ``SGD``, ``Adam`` or ``AdamW`` built with its default
+            implementation (``fused`` and ``foreach`` not given) runs its fused one, whose
+            step takes the skip verdict on the device: no host sync per step. The algorithm
+            and hyperparameters are unchanged. ``False`` keeps the optimizer as given; each
+            optimizer step then syncs the host once to decide a skip. Not under FSDP2.
         autotune: with ``precision="auto"``, choose the configuration by measuring:
             the first ``step`` runs :func:`precisionloop.autotune` on copies of the model
             with that first batch (compiled candidates too when ``compile=True``), prints
@@ -78,7 +84,7 @@ class Trainer:
                  device: str | torch.device | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  scheduler: Any = None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  max_consecutive_skips: int = 20, compile: bool | str = False, distributed: str | None = "auto",
-                 autotune: bool = False):
+                 autotune: bool = False, fuse_optimizer: bool = True):
         loop.check_int("grad_accum_steps", grad_accum_steps, 1)
         loop.check_int("max_consecutive_skips", max_consecutive_skips, 1)
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -102,6 +108,9 @@ class Trainer:
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
         self.loop_state = loop.LoopState()
         self.model = model.to(self.device)
+        if fuse_optimizer and self.distributed != "fsdp" and fuse_default_optimizer(optimizer):
+            log.info("%s runs its fused implementation, so a skipped step is decided on the device without a host "
+                     "sync (fuse_optimizer=False keeps it as given)", type(optimizer).__name__)
         self.engine = StepEngine(self.model, optimizer, self.device, loss_of=self.compute_loss,
                                  scheduler=None if loop.is_plateau(scheduler) else scheduler,
                                  grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
@@ -267,7 +276,7 @@ class Trainer:
             checkpoint_dir: where periodic checkpoints go.
             checkpoint_every: save ``step-NNNNNNNN.pt`` every this many optimizer steps.
             keep_last: keep only the newest this many periodic checkpoints.
-            log_every: read the loss for the progress bar every this many steps (a host sync).
+            log_every: refresh the progress bar's loss (the last booked step's; no host sync) every this many steps.
             underflow_every: measure gradient underflow every this many optimizer steps
                 (see :mod:`precisionloop.diagnostics`); off by default.
 

@@ -168,3 +168,50 @@ def test_trainer_autotune_on_cuda_trains_with_its_choice(capsys):
     batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 4, (16,)))
     assert trainer.step(batch).stepped and "CHOSEN" in capsys.readouterr().out
     assert trainer.policy.name in {"fp32", "tf32", "bf16", "fp16"} and trainer.step(batch).stepped
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.AdamW(p, lr=1e-3), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)],
+                         ids=["AdamW()", "SGD(momentum)"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_default_optimizers_step_without_host_sync_and_still_skip(make, precision):
+    model = tiny_mlp()
+    armed = {"on": False}
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if armed["on"] else g)
+    optimizer = make(model.parameters())
+    trainer = Trainer(model, optimizer, precision, device="cuda")
+    assert optimizer.param_groups[0]["fused"] is True  # the default implementation was swapped for the fused one
+    data = [(x.cuda(), y.cuda()) for x, y in batches(5)]
+    trainer.step(data[0])  # creates optimizer state (and SGD's momentum buffers, decided on the host once)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.step(data[1])
+        armed["on"] = True
+        weights = copy.deepcopy(model.state_dict())
+        state = copy.deepcopy(optimizer.state_dict()["state"])
+        skipped = trainer.step(data[2])
+        after_weights = copy.deepcopy(model.state_dict())  # device copies: compared after the sync check
+        after_state = copy.deepcopy(optimizer.state_dict()["state"])
+        armed["on"] = False
+        trainer.step(data[3])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    unchanged = all(torch.equal(v, weights[k]) for k, v in after_weights.items())
+    same_state = all(torch.equal(v, state[i][k]) for i, s in after_state.items() for k, v in s.items()
+                     if isinstance(v, torch.Tensor))
+    assert unchanged and same_state  # a non-finite gradient reached neither the weights nor the optimizer state
+    assert skipped.skipped and trainer.stats.skipped == 1
+    model2 = tiny_mlp()
+    kept = Trainer(model2, make(model2.parameters()), precision, device="cuda", fuse_optimizer=False)
+    assert kept.optimizer.param_groups[0]["fused"] is None  # left as given when asked
+
+
+def test_default_optimizer_fused_equals_torch_fused():
+    data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
+    a, b = tiny_mlp(), tiny_mlp()
+    ta = Trainer(a, torch.optim.AdamW(a.parameters(), lr=1e-2), "bf16", device="cuda")
+    tb = Trainer(b, torch.optim.AdamW(b.parameters(), lr=1e-2, fused=True), "bf16", device="cuda")
+    for batch in data:
+        ta.step(batch)
+        tb.step(batch)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
