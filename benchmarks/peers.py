@@ -3,9 +3,14 @@
     PYTHONPATH=. python benchmarks/peers.py --batch-sizes 32,128 --json peers.json
 
 Each system trains the same torchvision model on the same random batch with the same SGD
-(momentum 0.9; fused on CUDA unless --no-fused), timed by the recipe's own timer. Every system runs with TF32 and cudnn.benchmark on, so the peers
-get the flags precisionloop's tf32/bf16/fp16 policies use; channels_last is each system's default
-(the peers' default is NCHW). A peer that is not installed is skipped with a note.
+(momentum 0.9; fused on CUDA unless --no-fused). The systems compared with each other (per batch
+size and precision: precisionloop, the hand loop, and each peer; a peer's TF32 fp32 goes with our
+tf32) are timed together by ``precisionloop.measure.interleaved``: --rounds rounds, a fresh model
+and optimizer per system and round, the order rotated each round; the median over rounds is
+reported with its min-max spread, and ratios pair the rounds in time. Every peer runs with TF32 and
+cudnn.benchmark on, so the peers get the flags precisionloop's tf32/bf16/fp16 policies use;
+channels_last is each system's default (the peers' default is NCHW). A peer that is not installed
+is skipped with a note.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 
 import torch
@@ -21,7 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import FP32Policy
-from precisionloop.autotune import peak_mb, reset_memory, time_steps
+from precisionloop.measure import Run, format_memory, format_ratio, format_time, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
 
 FABRIC = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -65,15 +69,41 @@ def _peer_loop(model, optimizer, batch, backward):
 PEERS = {"fabric": fabric_step, "accelerate": accelerate_step}
 
 
-def measure_peer(peer: str, precision: str, batch_size: int, args) -> bench.Result:
+def peer_factory(peer: str, precision: str, batch_size: int, args):
+    """A factory for ``interleaved``: a fresh model and optimizer set up by ``peer``, timed under TF32 flags."""
     device = args.device
-    reset_memory(device)
-    model = bench.build_model(args.model).to(device)
-    batch = bench.random_batch(batch_size, args.image_size, device)
-    step = PEERS[peer](model, batch, precision, device, args.fused)
-    with FP32Policy(tf32=True).backend_flags():
-        times = time_steps(step, iters=args.iters, warmup=args.warmup, device=device)
-    return bench.Result(peer, precision, batch_size, statistics.median(times), *bench.deciles(times), peak_mb=peak_mb(device))
+
+    def build() -> Run:
+        model = bench.build_model(args.model).to(device)
+        batch = bench.random_batch(batch_size, args.image_size, device)
+        return Run(PEERS[peer](model, batch, precision, device, args.fused), context=FP32Policy(tf32=True).backend_flags())
+
+    return build
+
+
+def _group(precision: str) -> str:
+    """The precision of ours a peer is compared with: their fp32 is TF32 fp32, so it goes with our tf32."""
+    return "tf32" if precision == "fp32" else precision
+
+
+def measure_group(bs: int, key: str, args, peers: list[str], peer_precisions: list[str], on_run) -> list[bench.Result]:
+    """Time, interleaved, every system that is compared at batch ``bs`` and our precision ``key``."""
+    factories, precision_of, skipped = {}, {}, {}
+    if key in args.precisions:
+        policy = bench.policy_for(key, args)
+        for system in ("precisionloop", "hand"):
+            skipped[system] = []
+            factories[system] = bench.system_factory(system, policy, bs, args, args.device, skipped[system])
+            precision_of[system] = key
+    for p in peer_precisions:
+        if _group(p) == key:
+            for peer in peers:
+                factories[peer] = peer_factory(peer, p, bs, args)
+                precision_of[peer] = p
+    measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=args.device,
+                           on_run=on_run)
+    return [bench.Result.from_measurement(m, precision_of[name], bs, sum(skipped.get(name, [])), **bench.settings_of(args))
+            for name, m in measured.items()]
 
 
 def available(peer: str) -> bool:
@@ -85,7 +115,9 @@ def available(peer: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> list[bench.Result]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     epilog="Every other flag is the recipe's (--rounds, --iters, --warmup, --batch-sizes, "
+                                            "--precisions, --device, --json, ...): python -m precisionloop.recipes.resnet18_bench --help")
     parser.add_argument("--peers", default="fabric,accelerate")
     parser.add_argument("--peer-precisions", default="fp32,bf16,fp16",
                         help="precisions to run the peers at (fp32 means their TF32 fp32)")
@@ -94,7 +126,8 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
     env = bench.environment(args.device)
     print(f"peers benchmark, {env['date']} | {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}")
     print(f"{args.model}, input {args.image_size}x{args.image_size}, {'fused ' if args.fused else ''}SGD momentum 0.9, "
-          f"{args.warmup} warm-up + {args.iters} timed steps, median")
+          f"{args.rounds} interleaved rounds (a fresh model and optimizer each) of {args.warmup} warm-up + {args.iters} "
+          "timed steps; median over rounds of per-round medians [min-max]")
     peers = [p for p in known.peers.split(",") if p]
     for p in peers:
         if p not in PEERS:
@@ -105,31 +138,26 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
     peers = [p for p in peers if p not in missing]
     peer_precisions = [p for p in known.peer_precisions.split(",") if p]
 
-    configs = [("ours", s, p, bs) for bs in args.batch_sizes for p in args.precisions for s in ("precisionloop", "hand")]
-    configs += [("peer", peer, p, bs) for bs in args.batch_sizes for p in peer_precisions for peer in peers]
+    keys = list(dict.fromkeys(args.precisions + [_group(p) for p in peer_precisions]))
     results = []
-    for kind, system, precision, bs in tqdm(configs, desc="configurations", file=sys.stderr, leave=False):
-        try:
-            if kind == "ours":
-                results.append(bench.measure(system, precision, bench.policy_for(precision, args), bs, args, args.device))
-            else:
-                results.append(measure_peer(system, precision, bs, args))
-        except Exception as e:  # one failing system must not lose the others' numbers
-            results.append(bench.Result(system, precision, bs, None, None, None, None, error=f"{type(e).__name__}: {e}"))
-            torch.cuda.empty_cache() if args.device.type == "cuda" else None
+    with tqdm(desc="runs", file=sys.stderr, leave=False) as bar:
+        for bs in args.batch_sizes:
+            for key in keys:
+                results += measure_group(bs, key, args, peers, peer_precisions, on_run=lambda r, name: bar.update())
 
     systems = ["precisionloop", "hand", *peers]
-    print("\nmedian ms / peak MB (fp32 column: strict fp32 for precisionloop and hand, TF32 fp32 for the peers):")
+    print("\nmedian ms [min-max over rounds], peak memory (fp32 column: strict fp32 for precisionloop and hand, "
+          "TF32 fp32 for the peers):")
     for system in systems:
         print(f"\n{system}:")
         print(bench.format_table(results, system, list(dict.fromkeys(args.precisions + peer_precisions)), args.batch_sizes))
     ours = {(r.batch_size, r.precision): r for r in results if r.system == "precisionloop" and not r.error}
-    print("\nprecisionloop step time / peer step time (lower is better):")
+    print("\nprecisionloop step time / peer step time (lower is better), per-round ratios paired in time, median [min-max]:")
     for r in results:
-        mine = ours.get((r.batch_size, "tf32" if r.precision == "fp32" else r.precision))
-        if r.system in peers and not r.error and mine is not None:
-            print(f"  batch {r.batch_size:>4} {r.precision}: vs {r.system:<10} {mine.median_ms / r.median_ms:.2f}x "
-                  f"({mine.median_ms:.2f} vs {r.median_ms:.2f} ms; {mine.peak_mb or 0:.0f} vs {r.peak_mb or 0:.0f} MB)")
+        mine = ours.get((r.batch_size, _group(r.precision)))
+        if r.system in peers and not r.error and mine is not None and len(mine.rounds_ms) == len(r.rounds_ms):
+            print(f"  batch {r.batch_size:>4} {r.precision}: vs {r.system:<10} {format_ratio(paired_ratio(mine, r))} "
+                  f"({format_time(mine)} vs {format_time(r)}; {format_memory(mine)} vs {format_memory(r)})")
     print("\n" + bench.format_wrapper_cost(results))
     for r in results:
         if r.error:

@@ -2,7 +2,9 @@
 
 Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. The Trainer's own
 ``step`` is what is timed; a hand-written torch.amp loop with identical settings runs beside it
-in the same process, and the ratio of the two is the wrapper's cost.
+in the same process, and the ratio of the two is the wrapper's cost. Each configuration is timed
+in several interleaved rounds (``precisionloop.measure.interleaved``), a fresh model and optimizer
+each round, and reported as the median over rounds with the rounds' min-max spread.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import os
 import datetime
 import difflib
 import json
-import statistics
 import sys
 from typing import Callable
 
@@ -23,7 +24,9 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import Trainer, autotune, get_policy
-from precisionloop.autotune import default_candidates, peak_mb, reset_memory, time_steps
+from precisionloop.tuning import default_candidates
+from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
+                                   noisy_legend, paired_ratio)
 from precisionloop.policy import PrecisionPolicy
 
 ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -32,15 +35,29 @@ BASELINE = "tf32"
 
 @dataclasses.dataclass
 class Result:
+    """One configuration (system, precision, batch size): the median over rounds of per-round median step times."""
+
     system: str
     precision: str
     batch_size: int
     median_ms: float | None
-    p10_ms: float | None
-    p90_ms: float | None
-    peak_mb: float | None
+    min_ms: float | None = None
+    max_ms: float | None = None
+    spread: float | None = None
+    noisy: bool = False
+    rounds_ms: list[float] = dataclasses.field(default_factory=list)
+    peak_mb: float | None = None
+    memory_kind: str = "n/a"
     skipped: int = 0
     error: str | None = None
+    settings: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_measurement(cls, m: Measurement, precision: str, batch_size: int, skipped: int = 0, **settings) -> "Result":
+        """The Result for a measured system; ``settings`` are added to the measurement's own."""
+        return cls(m.name, precision, batch_size, m.median_ms, m.min_ms, m.max_ms, m.spread, m.noisy, list(m.rounds_ms),
+                   m.peak_mb, m.memory_kind, skipped, m.error,
+                   {**m.settings, "system": m.name, "precision": precision, "batch_size": batch_size, **settings})
 
 
 def environment(device: torch.device) -> dict:
@@ -111,70 +128,88 @@ def random_batch(batch_size: int, image_size: int, device: torch.device, num_cla
     return inputs.to(device), targets.to(device)
 
 
-def measure(system: str, precision: str, policy: PrecisionPolicy, batch_size: int, args, device: torch.device) -> Result:
-    """Time one configuration: ``system`` is "precisionloop" (the Trainer) or "hand" (the hand loop)."""
-    reset_memory(device)
-    model = build_model(args.model)
-    trainer = Trainer(model, make_optimizer(model.parameters(), args.fused), policy, device=device, compile=args.compile or False,
-                      distributed=args.distributed)
-    batch = trainer.to_device(random_batch(batch_size, args.image_size, device))
-    if system == "precisionloop":
-        step = lambda: trainer.step(batch)  # noqa: E731
-    else:
-        step = hand_loop_step(trainer.model, batch, policy, device, args.fused, compiled=bool(args.compile))
-    with policy.backend_flags():
-        times = time_steps(step, iters=args.iters, warmup=args.warmup, device=device)
-    result = Result(system, precision, batch_size, statistics.median(times), *deciles(times),
-                    peak_mb=peak_mb(device), skipped=trainer.stats.skipped)
-    return result
+def system_factory(system: str, policy: PrecisionPolicy, batch_size: int, args, device: torch.device,
+                   skipped: list[int]) -> Callable[[], Run]:
+    """A factory for :func:`precisionloop.measure.interleaved`: a fresh model, optimizer and Trainer per call.
+
+    ``system`` is "precisionloop" (``Trainer.step`` itself is timed) or "hand" (the hand loop, on the
+    Trainer's prepared model). Each run's skipped-step count is appended to ``skipped``.
+    """
+    def build() -> Run:
+        model = build_model(args.model)
+        trainer = Trainer(model, make_optimizer(model.parameters(), args.fused), policy, device=device,
+                          compile=args.compile or False, distributed=args.distributed)
+        batch = trainer.to_device(random_batch(batch_size, args.image_size, device))
+        if system == "precisionloop":
+            step = lambda: trainer.step(batch)  # noqa: E731
+        else:
+            step = hand_loop_step(trainer.model, batch, policy, device, args.fused, compiled=bool(args.compile))
+        return Run(step, context=policy.backend_flags(), teardown=lambda: skipped.append(trainer.stats.skipped))
+
+    return build
 
 
-def deciles(times: list[float]) -> tuple[float, float]:
-    if len(times) < 2:
-        return times[0], times[0]
-    cuts = statistics.quantiles(times, n=10)
-    return cuts[0], cuts[-1]
+def settings_of(args) -> dict:
+    """The run-wide settings every configuration's JSON record carries."""
+    return {"model": args.model, "image_size": args.image_size, "fused": args.fused, "compile": args.compile or False,
+            "channels_last": args.channels_last, "distributed": args.distributed}
+
+
+def measure(precision: str, batch_size: int, args, device: torch.device, systems: list[str], on_run=None) -> list[Result]:
+    """Time ``systems`` ("precisionloop", "hand") at one precision and batch size in interleaved rounds."""
+    policy = policy_for(precision, args)
+    skipped: dict[str, list[int]] = {s: [] for s in systems}
+    factories = {s: system_factory(s, policy, batch_size, args, device, skipped[s]) for s in systems}
+    measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=device,
+                           on_run=on_run)
+    return [Result.from_measurement(m, precision, batch_size, sum(skipped[s]), **settings_of(args))
+            for s, m in measured.items()]
 
 
 def format_table(results: list[Result], system: str, precisions: list[str], batch_sizes: list[int]) -> str:
-    """The seed's layout: a row per batch size, a column per precision, cells "ms / MB"."""
+    """A row block per batch size, a column per precision: time (median [min-max] over rounds), peak memory, and vs tf32."""
     cell = {(r.batch_size, r.precision): r for r in results if r.system == system}
-    width = 17
-    lines = [f"{'batch':>7} | " + " | ".join(f"{p:>{width}}" for p in precisions)]
+    width = max([24] + [len(format_time(r)) for r in cell.values()])
+    kinds = {r.memory_kind for r in cell.values() if r.memory_kind != "n/a"}
+    mem_label = f"peak {kinds.pop() if len(kinds) == 1 else 'MB'}"
+    label = max(9, len(mem_label))
+
+    def row(name, texts) -> str:
+        return f"{name:>{label}} | " + " | ".join(f"{t:>{width}}" for t in texts)
+
+    lines = [row("batch", precisions)]
     for bs in batch_sizes:
-        row = []
-        for p in precisions:
-            r = cell.get((bs, p))
-            if r is None:
-                row.append(f"{'-':>{width}}")
-            elif r.error:
-                row.append(f"{'error':>{width}}")
-            else:
-                mem = f"{r.peak_mb:.0f} MB" if r.peak_mb is not None else "n/a"
-                row.append(f"{f'{r.median_ms:.1f} ms / {mem}':>{width}}")
-        lines.append(f"{bs:>7} | " + " | ".join(row))
+        rs = [cell.get((bs, p)) for p in precisions]
+        lines.append(row(str(bs), ["-" if r is None else "error" if r.error else format_time(r) for r in rs]))
+        lines.append(row(mem_label, ["" if r is None or r.error else format_memory(r) for r in rs]))
         base = cell.get((bs, BASELINE))
         if base is not None and not base.error:
-            row = []
-            for p in precisions:
-                r = cell.get((bs, p))
-                if r is None or r.error:
-                    row.append(f"{'':>{width}}")
-                    continue
-                saved = f", mem {100 * (r.peak_mb / base.peak_mb - 1):+.0f}%" if r.peak_mb and base.peak_mb else ""
-                row.append(f"{f'{base.median_ms / r.median_ms:.2f}x{saved}':>{width}}")
-            lines.append(f"{'vs ' + BASELINE:>7} | " + " | ".join(row))
-    return "\n".join(lines)
+            lines.append(row("vs " + BASELINE, [_versus(r, base) for r in rs]))
+    legend = noisy_legend(cell.values())
+    return "\n".join(lines + ([legend] if legend else []))
+
+
+def _versus(r: Result | None, base: Result) -> str:
+    """Speed-up of ``r`` over the baseline and its memory change."""
+    if r is None or r.error or not r.median_ms:
+        return ""
+    saved = f", mem {100 * (r.peak_mb / base.peak_mb - 1):+.0f}%" if r.peak_mb and base.peak_mb else ""
+    return f"{base.median_ms / r.median_ms:.2f}x{saved}"
 
 
 def format_wrapper_cost(results: list[Result]) -> str:
+    """Trainer.step over the hand loop per configuration, from rounds paired in time (median [min-max] of the ratios)."""
     hand = {(r.batch_size, r.precision): r for r in results if r.system == "hand" and not r.error}
     parts = []
     for r in results:
         h = hand.get((r.batch_size, r.precision))
-        if r.system == "precisionloop" and h is not None and not r.error:
-            parts.append(f"batch {r.batch_size} {r.precision}: {r.median_ms / h.median_ms:.3f}x ({r.median_ms:.2f} vs {h.median_ms:.2f} ms)")
-    return "wrapper cost, Trainer.step / hand-written torch.amp loop:\n  " + "\n  ".join(parts) if parts else ""
+        if r.system == "precisionloop" and h is not None and not r.error and len(r.rounds_ms) == len(h.rounds_ms):
+            parts.append(f"batch {r.batch_size} {r.precision}: {format_ratio(paired_ratio(r, h))} "
+                         f"({format_time(r)} vs {format_time(h)})")
+    if not parts:
+        return ""
+    return ("wrapper cost, Trainer.step / hand-written torch.amp loop, per-round ratios (rounds paired in time), "
+            "median [min-max]:\n  " + "\n  ".join(parts))
 
 
 def write_plot(results: list[Result], path: str, title: str) -> None:
@@ -193,9 +228,14 @@ def write_plot(results: list[Result], path: str, title: str) -> None:
     for i, p in enumerate(precisions):
         xs = [j + i * width for j in range(len(batch_sizes))]
         by_bs = {r.batch_size: r for r in rows if r.precision == p}
-        axes[0].bar(xs, [by_bs[b].median_ms if b in by_bs else 0 for b in batch_sizes], width, label=p)
-        axes[1].bar(xs, [(by_bs[b].peak_mb or 0) if b in by_bs else 0 for b in batch_sizes], width, label=p)
-    for ax, label in zip(axes, ["median step time (ms)", "peak memory (MB)"]):
+        got = [by_bs.get(b) for b in batch_sizes]
+        medians = [r.median_ms if r else 0 for r in got]
+        spread = [[m - (r.min_ms if r else 0) for m, r in zip(medians, got)], [(r.max_ms if r else 0) - m for m, r in zip(medians, got)]]
+        axes[0].bar(xs, medians, width, yerr=spread, capsize=3, label=p)
+        axes[1].bar(xs, [(r.peak_mb or 0) if r else 0 for r in got], width, label=p)
+    kinds = {r.memory_kind for r in rows if r.memory_kind != "n/a"}
+    memory = f"peak memory ({kinds.pop() if len(kinds) == 1 else 'MB'})"
+    for ax, label in zip(axes, ["step time (ms), median and min-max over rounds", memory]):
         ax.set_xticks([j + width * (len(precisions) - 1) / 2 for j in range(len(batch_sizes))], [f"batch {b}" for b in batch_sizes])
         ax.set_ylabel(label)
         ax.legend()
@@ -211,8 +251,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="resnet18", help="any torchvision classification model (default resnet18)")
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default 32,128 on CUDA, 8 on the CPU)")
     p.add_argument("--precisions", default=None, help=f"comma-separated among {','.join(ALL_PRECISIONS)} (default all on CUDA; fp32,tf32,bf16 on the CPU)")
-    p.add_argument("--iters", type=int, default=None, help="timed steps per configuration (default 50 on CUDA, 10 on the CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first, for cudnn.benchmark to settle (default 15 on CUDA, 3 on the CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per configuration and round (default 50 on CUDA, 6 on the CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first in each round, for cudnn.benchmark to settle (default 15 on CUDA, 2 on the CPU)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per configuration, a fresh model and optimizer each, the systems' order rotated "
+                        "each round; the median over rounds is reported with the min-max spread (default 3)")
     p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default 224 on CUDA, 112 on the CPU)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="force channels_last on or off (default: the policy's choice, on for CUDA)")
@@ -229,14 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart here (needs matplotlib)")
     args = p.parse_args(argv)
-    try:
-        device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    except RuntimeError:
-        p.error(f"--device {args.device!r} is not a device; use cuda, cuda:N or cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device} was requested but CUDA is not available; use --device cpu")
+    device = _parse_device(p, args.device)
     cuda = device.type == "cuda"
     args.device = device
     args.notes = []
@@ -258,16 +294,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.compile not in list_mode_options():
             p.error(f"--compile {args.compile!r} is not a torch.compile mode; valid: {', '.join(list_mode_options())}")
     args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or ("32,128" if cuda else "8"))
-    args.iters = args.iters if args.iters is not None else (50 if cuda else 10)
-    args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 3)
+    args.iters = args.iters if args.iters is not None else (50 if cuda else 6)
+    args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 2)
     args.image_size = args.image_size or (224 if cuda else 112)
-    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--image-size", args.image_size, 16)):
+    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
+                             ("--image-size", args.image_size, 16)):
         if value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
     if not cuda:
-        args.notes.append(f"CPU run: {args.image_size}x{args.image_size} inputs and {args.iters} timed steps; "
-                          "wall-clock medians; peak memory n/a (torch reports no per-run CPU peak)")
+        args.notes.append(_cpu_note(args))
     return args
+
+
+def _parse_device(p: argparse.ArgumentParser, text: str | None) -> torch.device:
+    """--device, or CUDA (this rank's GPU under torchrun) when available, else the CPU."""
+    try:
+        device = torch.device(text) if text else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    except RuntimeError:
+        p.error(f"--device {text!r} is not a device; use cuda, cuda:N or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {text} was requested but CUDA is not available; use --device cpu")
+    return device
+
+
+def _cpu_note(args: argparse.Namespace) -> str:
+    """What a CPU run's figures are."""
+    rss = ("peak memory is the growth of the process's resident set (RSS) from building the model to its last step"
+           if memory_kind(args.device) == "MB RSS" else "peak memory n/a (/proc/self/clear_refs is not usable here)")
+    return (f"CPU run: {args.image_size}x{args.image_size} inputs and {args.iters} timed steps per round; "
+            f"wall-clock medians; {rss}")
 
 
 def _ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
@@ -294,7 +351,10 @@ def run_autotune(args: argparse.Namespace, device: torch.device) -> list[Result]
             print(e)
             continue
         best = next(r for r in chosen.results if r.candidate == chosen.best)
-        results.append(Result("autotune", chosen.best.label, bs, best.median_ms, None, None, best.peak_mb))
+        results.append(Result("autotune", chosen.best.label, bs, best.median_ms, peak_mb=best.peak_mb,  # autotune's own timing
+                              memory_kind=memory_kind(device) if best.peak_mb is not None else "n/a",
+                              settings={"system": "autotune", "precision": chosen.best.label, "batch_size": bs,
+                                        "iters": args.iters, "warmup": args.warmup, **settings_of(args)}))
     return results
 
 
@@ -314,29 +374,29 @@ def main(argv: list[str] | None = None) -> list[Result]:
     header = (
         f"precisionloop benchmark: {args.model} training steps (forward, backward, {'fused ' if args.fused else ''}SGD momentum 0.9), {env['date']}\n"
         f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
-        f"input {args.image_size}x{args.image_size}, {args.warmup} warm-up + {args.iters} timed steps, median"
+        f"input {args.image_size}x{args.image_size}, {args.rounds} rounds (systems interleaved, a fresh model and optimizer "
+        f"each) of {args.warmup} warm-up + {args.iters} timed steps; median over rounds of per-round medians [min-max]"
         f" | channels_last: {'policy default' if args.channels_last is None else args.channels_last}"
     )
     say(header)
     for note in args.notes:
         say(f"note: {note}")
     systems = ["precisionloop"] + ([] if args.no_hand_loop else ["hand"])
-    configs = [(s, p, bs) for bs in args.batch_sizes for p in args.precisions for s in systems]
+    configs = [(p, bs) for bs in args.batch_sizes for p in args.precisions]
     results = []
-    for system, precision, bs in tqdm(configs, desc="configurations", file=sys.stderr, leave=False,
-                                         disable=int(os.environ.get("RANK", "0")) != 0):
-        try:
-            results.append(measure(system, precision, policy_for(precision, args), bs, args, device))
-        except torch.cuda.OutOfMemoryError as e:
-            results.append(Result(system, precision, bs, None, None, None, None, error=f"out of memory: {e}"))
+    with tqdm(total=len(configs) * args.rounds * len(systems), desc="runs", file=sys.stderr, leave=False,
+              disable=int(os.environ.get("RANK", "0")) != 0) as bar:
+        for precision, bs in configs:
+            results += measure(precision, bs, args, device, systems, on_run=lambda r, name: bar.update())
     if args.autotune:
         results += run_autotune(args, device)
-    say("\nprecisionloop Trainer.step, median ms / peak MB (below each row: speed-up and memory change vs tf32):")
+    say("\nprecisionloop Trainer.step, median ms [min-max over rounds], peak memory "
+        "(below each block: speed-up and memory change vs tf32):")
     say(format_table(results, "precisionloop", args.precisions, args.batch_sizes))
     tuned = [r for r in results if r.system == "autotune"]
     for r in tuned:
-        say(f"autotune's choice at batch {r.batch_size}: {r.precision}, {r.median_ms:.2f} ms"
-              + (f" / {r.peak_mb:.0f} MB" if r.peak_mb is not None else ""))
+        say(f"autotune's choice at batch {r.batch_size}: {r.precision}, {r.median_ms:.2f} ms / {format_memory(r)} "
+            "(autotune's own timing)")
     if "hand" in systems:
         say("\nhand-written torch.amp loop, same settings:")
         say(format_table(results, "hand", args.precisions, args.batch_sizes))

@@ -1,0 +1,176 @@
+"""What precisionloop's step and loop cost beyond a hand-written loop, in interleaved rounds.
+
+    PYTHONPATH=. python benchmarks/loop_cost.py --json loop_cost.json
+    PYTHONPATH=. python benchmarks/loop_cost.py --before path/to/old/precisionloop   # also an older copy, same process
+    PYTHONPATH=. python benchmarks/loop_cost.py --profile                            # where the host time goes
+
+For each configuration (model, batch, optimizer, eager or compiled) three systems train the same
+model on the same GPU-resident batch: the hand loop (autocast, backward, optimizer step, no skip
+check), ``Trainer.step``, and ``Trainer.fit`` over an epoch of --fit-steps batches with its progress
+bar on (per-step time = epoch time / steps). They are timed by
+``precisionloop.measure.interleaved`` (fresh model and optimizer per system and round, rotating
+order), and the wrapper cost is the per-round ratio to the hand loop, paired in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import importlib.util
+import io
+import json
+import pstats
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import precisionloop
+from precisionloop.measure import Run, format_ratio, format_time, interleaved, paired_ratio
+from precisionloop.recipes import resnet18_bench as bench
+
+OPTIMIZERS = {
+    "fused-sgd": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, fused=True),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    batch_size: int
+    optimizer: str
+    compile: bool
+    precision: str = "bf16"
+
+    @property
+    def label(self) -> str:
+        return f"{self.precision} b{self.batch_size} {self.optimizer}{' compiled' if self.compile else ' eager'}"
+
+
+DEFAULT_CONFIGS = [Config(32, "fused-sgd", False), Config(128, "fused-sgd", False), Config(32, "fused-sgd", True),
+                   Config(128, "adamw", False), Config(128, "sgd", False)]
+
+
+def _hand(config: Config, args) -> Run:
+    model = bench.build_model(args.model).to(args.device, memory_format=torch.channels_last)
+    if config.compile:
+        model.compile(mode="reduce-overhead")
+    optimizer = OPTIMIZERS[config.optimizer](model.parameters())
+    inputs, targets = bench.random_batch(config.batch_size, args.image_size, args.device)
+    inputs = inputs.contiguous(memory_format=torch.channels_last)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.precision]
+
+    def step() -> None:
+        if config.compile:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(args.device.type, dtype=dtype):
+            loss = nn.functional.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Run(step, context=precisionloop.get_policy(config.precision).backend_flags())
+
+
+def _trainer(package, config: Config, args, fit: bool) -> Run:
+    model = bench.build_model(args.model)
+    optimizer = OPTIMIZERS[config.optimizer](model.parameters())
+    trainer = package.Trainer(model, optimizer, config.precision, device=args.device, compile=config.compile,
+                              distributed=None)
+    batch = trainer.to_device(bench.random_batch(config.batch_size, args.image_size, args.device))
+    if not fit:
+        return Run(lambda: trainer.step(batch))
+    epoch = [batch] * args.fit_steps
+
+    def run_epoch() -> None:
+        trainer.fit(epoch, epochs=trainer.epoch + 1, progress=True)
+
+    return Run(run_epoch)
+
+
+def systems(config: Config, args, before) -> dict:
+    out = {"hand": lambda: _hand(config, args),
+           "step": lambda: _trainer(precisionloop, config, args, False),
+           "fit": lambda: _trainer(precisionloop, config, args, True)}
+    if before is not None:
+        out["step-before"] = lambda: _trainer(before, config, args, False)
+        out["fit-before"] = lambda: _trainer(before, config, args, True)
+    return out
+
+
+def load_before(path: str):
+    """An older copy of the package, imported under another name so both run in one process."""
+    init = Path(path) / "__init__.py"
+    spec = importlib.util.spec_from_file_location("precisionloop_before", init, submodule_search_locations=[str(path)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["precisionloop_before"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def profile(config: Config, args, package, steps: int = 60) -> str:
+    """cProfile of ``steps`` Trainer.step calls after a warm-up: the host's time per function."""
+    run = _trainer(package, config, args, False)
+    for _ in range(args.warmup):
+        run.step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        run.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+    return f"--- cProfile, {package.__name__} Trainer.step x{steps}, {config.label} ---\n" + out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=40, help="timed steps (fit: timed epochs) per round")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--fit-steps", type=int, default=20, help="batches per timed fit epoch")
+    p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
+    p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.device = torch.device("cuda")
+    configs = DEFAULT_CONFIGS if args.configs is None else [DEFAULT_CONFIGS[int(i)] for i in args.configs.split(",")]
+    before = load_before(args.before) if args.before else None
+    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "configs": []}
+    for config in configs:
+        if args.profile:
+            for package in [before, precisionloop] if before is not None else [precisionloop]:
+                print(profile(config, args, package), flush=True)
+        fit_iters = max(3, args.iters // args.fit_steps * 2)
+        timings = interleaved({k: v for k, v in systems(config, args, before).items() if not k.startswith("fit")},
+                              rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=args.device)
+        fits = interleaved({k: v for k, v in systems(config, args, before).items() if k.startswith("fit") or k == "hand"},
+                           rounds=args.rounds, iters=fit_iters, warmup=2, device=args.device)
+        for name, m in fits.items():
+            if name.startswith("fit"):
+                m.rounds_ms = [t / args.fit_steps for t in m.rounds_ms]
+                timings[name] = m
+        timings["hand(fit rounds)"] = fits["hand"]
+        print(f"\n{config.label}")
+        entry = {"config": dataclasses.asdict(config), "systems": {}}
+        for name, m in timings.items():
+            base = timings["hand(fit rounds)"] if name.startswith("fit") else timings["hand"]
+            ratio = paired_ratio(m, base) if m.rounds_ms and base.rounds_ms and not name.startswith("hand") else None
+            print(f"  {name:<17} {format_time(m):>28}  {format_ratio(ratio) + ' vs hand' if ratio else ''}")
+            entry["systems"][name] = {**m.to_dict(), "vs_hand": ratio}
+        report["configs"].append(entry)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""One way to measure training steps: interleaved rounds of fresh instances, a median with its spread, peak memory.
+
+On a GPU, cuDNN's benchmark mode picks kernels per model instance, so one timed run of one instance
+can be off by tens of percent. :func:`interleaved` builds every system afresh in each of several
+rounds, rotates the order of the systems from round to round (so no system always runs first or
+always runs hot), and reports the median over the per-round medians with the min-max spread.
+
+This module depends on torch and the standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import os
+import statistics
+import time
+from typing import Callable, ContextManager, Iterable, Mapping
+
+import torch
+
+__all__ = [
+    "NOISY_SPREAD", "NOISY_MARK", "Measurement", "Run", "time_steps", "reset_memory", "peak_mb", "memory_kind",
+    "interleaved", "paired_ratio", "format_time", "format_ratio", "format_memory", "noisy_legend",
+]
+
+NOISY_SPREAD = 0.10
+"""A measurement whose (max - min) / median over rounds exceeds this is flagged as noisy."""
+
+NOISY_MARK = " !"
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+_rss = {"baseline_kb": None, "usable": None}  # the CPU resident-set baseline taken by the last reset_memory
+
+
+def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
+               timer: Callable[[], float] | None = None) -> list[float]:
+    """Run ``warmup`` untimed steps, then return ``iters`` per-step times in milliseconds.
+
+    CUDA steps are timed with CUDA events, other devices' with the wall clock. On CUDA the
+    peak-memory counter restarts after the warm-up, so cuDNN's one-off autotuning workspace does
+    not count as the step's memory.
+
+    Args:
+        step: runs one training step.
+        iters: timed steps.
+        warmup: untimed steps first.
+        device: where the step runs.
+        timer: a clock in seconds that replaces ``time.perf_counter`` off CUDA; for tests.
+
+    Raises:
+        ValueError: ``timer`` was given for a CUDA device, which is timed with events.
+    """
+    if timer is not None and device.type == "cuda":
+        raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
+    for _ in range(warmup):
+        step()
+    if device.type != "cuda":
+        clock = timer or time.perf_counter
+        times = []
+        for _ in range(iters):
+            start = clock()
+            step()
+            times.append((clock() - start) * 1e3)
+        return times
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def _status_kb(field: str) -> int | None:
+    """A ``kB`` field of /proc/self/status, such as VmRSS or VmHWM; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _trim_malloc() -> None:
+    """Hand freed heap pages back to the OS (glibc), so an earlier run's leftovers don't hide the next one's growth."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _reset_rss() -> None:
+    """Restart the kernel's resident-set high-water mark and remember the resident set now."""
+    _trim_malloc()
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")  # 5: reset VmHWM to the current resident set
+    except OSError:
+        _rss.update(baseline_kb=None, usable=False)
+        return
+    baseline = _status_kb("VmRSS")
+    _rss.update(baseline_kb=baseline, usable=baseline is not None and _status_kb("VmHWM") is not None)
+
+
+def reset_memory(device: torch.device) -> None:
+    """Free what can be freed and restart the peak-memory counter (on the CPU: the resident-set high-water mark)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        _reset_rss()
+
+
+def peak_mb(device: torch.device) -> float | None:
+    """Peak memory in MB since the last :func:`reset_memory`; see :func:`memory_kind` for what is counted.
+
+    On CUDA, the peak allocated memory. On the CPU (Linux), the growth of the process's peak
+    resident set over the resident set at the reset; None where /proc/self/clear_refs is unusable.
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    if not _rss["usable"]:
+        return None
+    hwm = _status_kb("VmHWM")
+    return None if hwm is None else max(hwm - _rss["baseline_kb"], 0) / 1024
+
+
+def memory_kind(device: torch.device) -> str:
+    """The unit label of :func:`peak_mb` on ``device``: "MB" (CUDA allocator), "MB RSS" (CPU resident set) or "n/a"."""
+    if device.type == "cuda":
+        return "MB"
+    if device.type != "cpu":
+        return "n/a"
+    if _rss["usable"] is None:  # no reset yet: probe without touching the high-water mark
+        return "MB RSS" if os.access(_CLEAR_REFS, os.W_OK) and _status_kb("VmHWM") is not None else "n/a"
+    return "MB RSS" if _rss["usable"] else "n/a"
+
+
+@dataclasses.dataclass
+class Run:
+    """What a factory may return instead of a bare step.
+
+    ``context`` (a context manager, e.g. a policy's ``backend_flags()``) is entered around the
+    warm-up and timed steps; ``teardown`` is called after them, before the instance is dropped
+    (to read counters such as ``trainer.stats``).
+    """
+
+    step: Callable[[], object]
+    context: ContextManager | None = None
+    teardown: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One configuration measured over rounds: per-round medians and what follows from them."""
+
+    name: str
+    rounds_ms: list[float] = dataclasses.field(default_factory=list)
+    peak_mb: float | None = None
+    memory_kind: str = "n/a"
+    settings: dict = dataclasses.field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def median_ms(self) -> float | None:
+        """The median of the per-round medians."""
+        return statistics.median(self.rounds_ms) if self.rounds_ms else None
+
+    @property
+    def min_ms(self) -> float | None:
+        return min(self.rounds_ms) if self.rounds_ms else None
+
+    @property
+    def max_ms(self) -> float | None:
+        return max(self.rounds_ms) if self.rounds_ms else None
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / median over the rounds."""
+        return (self.max_ms - self.min_ms) / self.median_ms if self.rounds_ms and self.median_ms else None
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the spread exceeds NOISY_SPREAD."""
+        return self.spread is not None and self.spread > NOISY_SPREAD
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict, the derived figures included."""
+        return {"name": self.name, "rounds_ms": list(self.rounds_ms), "median_ms": self.median_ms,
+                "min_ms": self.min_ms, "max_ms": self.max_ms, "spread": self.spread, "noisy": self.noisy,
+                "peak_mb": self.peak_mb, "memory_kind": self.memory_kind, "settings": dict(self.settings),
+                "error": self.error}
+
+
+def _one_round(factory: Callable[[], Callable[[], object] | Run], *, iters: int, warmup: int,
+               device: torch.device, timer: Callable[[], float] | None) -> tuple[float, float | None]:
+    """Build one fresh instance, time it, and return its median step time and peak memory."""
+    reset_memory(device)
+    run = factory()
+    if not isinstance(run, Run):
+        run = Run(run)
+    try:
+        with run.context if run.context is not None else contextlib.nullcontext():
+            times = time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer)
+        return statistics.median(times), peak_mb(device)
+    finally:
+        if run.teardown is not None:
+            run.teardown()
+
+
+def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]], *, rounds: int = 3, iters: int,
+                warmup: int, device: torch.device, timer: Callable[[], float] | None = None,
+                on_run: Callable[[int, str], None] | None = None) -> dict[str, Measurement]:
+    """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated by the round.
+
+    Round ``r`` runs the systems in their given order rotated left by ``r`` (A B C, then B C A,
+    then C A B). Each run calls :func:`reset_memory`, then the system's factory, then times
+    ``warmup`` + ``iters`` steps; the round's figure is the median step time. A system whose
+    factory or step raises an ``Exception`` (out of memory, say) gets ``error`` set and is not
+    run again; the others carry on.
+
+    Args:
+        systems: name -> zero-argument factory building a fresh model and optimizer and returning
+            a zero-argument step callable, or a :class:`Run`.
+        rounds: how many rounds.
+        iters: timed steps per run.
+        warmup: untimed steps per run, before the timed ones.
+        device: where the steps run.
+        timer: passed to :func:`time_steps` (tests inject a synthetic clock).
+        on_run: called as ``on_run(round_index, name)`` before each run, e.g. to show progress.
+
+    Returns:
+        name -> :class:`Measurement`, in the order of ``systems``.
+
+    Raises:
+        ValueError: ``rounds`` or ``iters`` is below 1, or ``systems`` is empty.
+    """
+    if rounds < 1 or iters < 1 or not systems:
+        raise ValueError(f"interleaved needs rounds >= 1, iters >= 1 and a system; got {rounds}, {iters}, {len(systems)}")
+    names = list(systems)
+    settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device)}
+    results = {name: Measurement(name, settings=dict(settings)) for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            m = results[name]
+            if m.error is not None:
+                continue
+            if on_run is not None:
+                on_run(r, name)
+            try:
+                ms, peak = _one_round(systems[name], iters=iters, warmup=warmup, device=device, timer=timer)
+            except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
+                m.error = f"{type(e).__name__}: {e}"
+                continue
+            m.rounds_ms.append(ms)
+            if peak is not None:
+                m.peak_mb = peak if m.peak_mb is None else max(m.peak_mb, peak)
+    reset_memory(device)  # let the last system's memory go before the caller goes on
+    for m in results.values():
+        m.memory_kind = memory_kind(device) if m.peak_mb is not None else "n/a"
+    return results
+
+
+def paired_ratio(a, b) -> tuple[float, float, float]:
+    """(median, min, max) of ``a.rounds_ms[i] / b.rounds_ms[i]``: round i of both ran side by side in time.
+
+    Args:
+        a: a :class:`Measurement` (or anything with ``rounds_ms``), the numerator.
+        b: likewise, the denominator, from the same :func:`interleaved` call.
+
+    Raises:
+        ValueError: either has no rounds, or their round counts differ.
+    """
+    if not a.rounds_ms or len(a.rounds_ms) != len(b.rounds_ms):
+        raise ValueError(f"paired_ratio needs the same, non-zero number of rounds; got {len(a.rounds_ms)} and {len(b.rounds_ms)}")
+    ratios = [x / y for x, y in zip(a.rounds_ms, b.rounds_ms)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def _decimals(value: float) -> int:
+    return 1 if value >= 10 else 2 if value >= 1 else 3
+
+
+def format_time(m) -> str:
+    """"10.71 ms [10.5-11.0]" (median over rounds [min-max]), with NOISY_MARK appended when noisy; "-" if unmeasured."""
+    if m.median_ms is None:
+        return "-"
+    d = _decimals(m.min_ms)
+    return f"{m.median_ms:.2f} ms [{m.min_ms:.{d}f}-{m.max_ms:.{d}f}]" + (NOISY_MARK if m.noisy else "")
+
+
+def format_ratio(ratio: tuple[float, float, float]) -> str:
+    """"0.980x [0.950-1.010]" from a :func:`paired_ratio` result."""
+    median, low, high = ratio
+    return f"{median:.3f}x [{low:.3f}-{high:.3f}]"
+
+
+def format_memory(m) -> str:
+    """"45 MB RSS", "1234 MB" or "n/a", from ``peak_mb`` and ``memory_kind``."""
+    return f"{m.peak_mb:.0f} {m.memory_kind}" if m.peak_mb is not None and m.memory_kind != "n/a" else "n/a"
+
+
+def noisy_legend(measurements: Iterable) -> str:
+    """The legend line for NOISY_MARK if any of ``measurements`` is noisy, else ""."""
+    if not any(getattr(m, "noisy", False) for m in measurements):
+        return ""
+    return (f"{NOISY_MARK.strip()} = noisy: the round medians spread over more than {NOISY_SPREAD:.0%} of their median "
+            "((max-min)/median); treat with care, or rerun with more rounds or timed steps")
