@@ -91,12 +91,27 @@ def _trainer(package, config: Config, args, fit: bool) -> Run:
     return Run(run_epoch)
 
 
-def systems(config: Config, args, before) -> dict:
-    out = {"hand": lambda: _hand(config, args),
-           "step": lambda: _trainer(precisionloop, config, args, False),
-           "fit": lambda: _trainer(precisionloop, config, args, True)}
+def _hand_epoch(config: Config, args) -> Run:
+    """The hand loop over as many steps as one fit epoch, so the two are timed alike."""
+    run = _hand(config, args)
+
+    def epoch() -> None:
+        for _ in range(args.fit_steps):
+            run.step()
+
+    return Run(epoch, context=run.context)
+
+
+def step_systems(config: Config, args, before) -> dict:
+    out = {"hand": lambda: _hand(config, args), "step": lambda: _trainer(precisionloop, config, args, False)}
     if before is not None:
         out["step-before"] = lambda: _trainer(before, config, args, False)
+    return out
+
+
+def fit_systems(config: Config, args, before) -> dict:
+    out = {"hand": lambda: _hand_epoch(config, args), "fit": lambda: _trainer(precisionloop, config, args, True)}
+    if before is not None:
         out["fit-before"] = lambda: _trainer(before, config, args, True)
     return out
 
@@ -116,12 +131,13 @@ def profile(config: Config, args, package, steps: int = 60) -> str:
     run = _trainer(package, config, args, False)
     for _ in range(args.warmup):
         run.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if args.device.type == "cuda" else (lambda: None)
+    sync()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
         run.step()
-    torch.cuda.synchronize()
+    sync()
     profiler.disable()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
@@ -136,35 +152,35 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--iters", type=int, default=40, help="timed steps (fit: timed epochs) per round")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--fit-steps", type=int, default=20, help="batches per timed fit epoch")
+    p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile Trainer.step for the first configuration")
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default=None, help="default: cuda (the cost that matters is on a GPU)")
     args = p.parse_args(argv)
-    args.device = torch.device("cuda")
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configs = DEFAULT_CONFIGS if args.configs is None else [DEFAULT_CONFIGS[int(i)] for i in args.configs.split(",")]
     before = load_before(args.before) if args.before else None
-    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "configs": []}
-    for config in configs:
-        if args.profile:
+    name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
+    report = {"torch": torch.__version__, "device": name, "configs": []}
+    for i, config in enumerate(configs):
+        if args.profile and i == 0:
             for package in [before, precisionloop] if before is not None else [precisionloop]:
                 print(profile(config, args, package), flush=True)
-        fit_iters = max(3, args.iters // args.fit_steps * 2)
-        timings = interleaved({k: v for k, v in systems(config, args, before).items() if not k.startswith("fit")},
-                              rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=args.device)
-        fits = interleaved({k: v for k, v in systems(config, args, before).items() if k.startswith("fit") or k == "hand"},
-                           rounds=args.rounds, iters=fit_iters, warmup=2, device=args.device)
-        for name, m in fits.items():
-            if name.startswith("fit"):
-                m.rounds_ms = [t / args.fit_steps for t in m.rounds_ms]
-                timings[name] = m
-        timings["hand(fit rounds)"] = fits["hand"]
-        print(f"\n{config.label}")
+        timings = interleaved(step_systems(config, args, before), rounds=args.rounds, iters=args.iters,
+                              warmup=args.warmup, device=args.device)
+        fits = interleaved(fit_systems(config, args, before), rounds=args.rounds, iters=args.fit_epochs, warmup=2,
+                           device=args.device)
+        for name, m in fits.items():  # per-epoch times to per-step times
+            m.rounds_ms = [t / args.fit_steps for t in m.rounds_ms]
+            timings["hand (epochs)" if name == "hand" else name] = m
+        print(f"\n{config.label}", flush=True)
         entry = {"config": dataclasses.asdict(config), "systems": {}}
         for name, m in timings.items():
-            base = timings["hand(fit rounds)"] if name.startswith("fit") else timings["hand"]
+            base = timings["hand (epochs)"] if name.startswith("fit") else timings["hand"]
             ratio = paired_ratio(m, base) if m.rounds_ms and base.rounds_ms and not name.startswith("hand") else None
-            print(f"  {name:<17} {format_time(m):>28}  {format_ratio(ratio) + ' vs hand' if ratio else ''}")
+            print(f"  {name:<14} {format_time(m):>28}  {format_ratio(ratio) + ' vs hand' if ratio else ''}", flush=True)
             entry["systems"][name] = {**m.to_dict(), "vs_hand": ratio}
         report["configs"].append(entry)
     if args.json:

@@ -83,17 +83,25 @@ def compile_error_types() -> tuple[type[BaseException], ...]:
     return (TorchDynamoException,)
 
 
-def compiled_backward_like_eager() -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def compiled_backward_like_eager() -> Iterator[None]:
     """Inside the block, a compiled backward runs without autocast, as the step's eager backward does.
 
     torch's default (``backward_pass_autocast="same_as_forward"``) traces the backward under the
     forward's autocast, which recasts the backward of regions that ran with autocast off (the
     ``keep_fp32`` modules) to bf16/fp16. Torch versions without the setting are left alone.
     """
-    config = torch._functorch.config
+    import torch._functorch.config as config
+
     if not hasattr(config, "backward_pass_autocast"):
-        return contextlib.nullcontext()
-    return config.patch(backward_pass_autocast="off")
+        yield
+        return
+    saved = config.backward_pass_autocast  # set and restored by hand: config.patch costs more per step
+    config.backward_pass_autocast = "off"
+    try:
+        yield
+    finally:
+        config.backward_pass_autocast = saved
 
 
 def cpu_bf16_native() -> bool:

@@ -106,8 +106,10 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
     fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in reversed(list(model.modules())):  # inner modules first: fully_shard goes bottom-up
         kept = fp32_modules.is_kept(module) or (_compat.is_batch_norm(module) and module.affine)
-        if kept and module is not model and any(True for _ in module.parameters()):
+        if kept and module is not model and any(True for _ in module.parameters()):  # the root is sharded last
             fully_shard(module, mp_policy=fp32_mp)
+    if fp32_modules.is_kept(model):
+        mp = fp32_mp  # the whole model runs in fp32 under its kept forward
     for child in model.children():
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
             fully_shard(child, mp_policy=mp)

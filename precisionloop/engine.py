@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import _compat
+from . import _compat, fp32_modules
 from . import distributed as _dist
 from .guard import GradientGuard
 from .policy import PrecisionPolicy
@@ -124,6 +124,8 @@ def prepare_model(model: nn.Module, policy: PrecisionPolicy, mode: str | None, d
     """Apply a policy to a model on its device: layout, compile, then DDP/FSDP2; returns it and the input layout."""
     if not _dist.is_wrapped(model):
         model = policy.prepare_model(model)
+    else:  # a model the user wrapped keeps its layout; its kept modules still run in fp32
+        fp32_modules.keep_fp32_(model, policy.keep_fp32)
     input_format = policy.memory_format(_dist.unwrap(model))
     if mode is not None:
         _dist.unwrap(model).compile(mode=mode)  # in place, so state_dict keys do not change
@@ -177,6 +179,8 @@ class StepEngine:
         self.sync_next = False  # set by the loop: the next micro-batch closes the epoch, so gradients must sync
         self.probe: Callable[[int], None] | None = None
         self._pending: tuple[torch.Tensor, Any] | None = None  # the last step's verdict, not yet read
+        self._host: torch.Tensor | None = None  # pinned buffer the verdict is copied into
+        self._event: Any = None
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
@@ -267,14 +271,17 @@ class StepEngine:
         return StepResult(loss, due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
 
     def _book_later(self, verdict: torch.Tensor) -> None:
-        host = verdict.to("cpu", non_blocking=True)
-        if verdict.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (host, event)
-        else:
-            self._pending = (host, None)
+        if not verdict.is_cuda:
+            self._pending = (verdict, None)
             self.settle()
+            return
+        # One pinned buffer and one event, reused: the last step was settled before this copy is queued.
+        if self._host is None or self._host.shape != verdict.shape:
+            self._host = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
+            self._event = torch.cuda.Event()
+        self._host.copy_(verdict, non_blocking=True)
+        self._event.record()
+        self._pending = (self._host, self._event)
 
     def discard_window(self) -> None:
         """Drop the gradients of an open accumulation window (after an error, or on load)."""

@@ -44,8 +44,8 @@ def validate_keep_fp32(entries: Any) -> tuple:
             ``fnmatch.fnmatchcase`` against the names of ``model.named_modules()``.
 
     Returns:
-        A tuple of the entries in their given order, duplicates dropped (so two
-        policies with the same modules compare and hash equal).
+        A tuple of the entries, duplicates dropped, classes first then patterns, each
+        sorted by name (so two policies with the same modules compare and hash equal).
 
     Raises:
         TypeError: an entry is neither a ``str`` nor an ``nn.Module`` subclass
@@ -74,7 +74,8 @@ def validate_keep_fp32(entries: Any) -> tuple:
             raise TypeError(f"keep_fp32 entries must each be {_VALID}; got {entry!r}{hint}")
         if entry not in out:
             out.append(entry)
-    return tuple(out)
+    # One canonical order, so policies naming the same modules compare and hash equal.
+    return tuple(sorted(out, key=lambda e: (isinstance(e, str), e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}")))
 
 
 def select_modules(model: nn.Module, entries: Any) -> list[tuple[str, nn.Module]]:

@@ -147,11 +147,17 @@ class FiniteGuard:
         self.all_reduce_max = all_reduce_max
         self._ones: dict[torch.device, torch.Tensor] = {}
         self._first = _FirstStepCheck()
+        self._plain = -1  # the gradient count last seen all dense, plain tensors on one device and dtype
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
+        if grads and self._plain == len(grads):  # all dense, on one device: one kernel, no regrouping
+            device = grads[0].device
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            _compat.non_finite_check_(grads, found, self._ones_on(device))
+            return self._agree(found)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
             g = _compat.dense_values(g)
@@ -160,13 +166,21 @@ class FiniteGuard:
         # fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
         found = torch.zeros((), dtype=torch.float32, device=device)
         for (where, _), tensors in groups.items():
-            ones = self._ones.get(where)
-            if ones is None:
-                ones = self._ones[where] = torch.ones((), dtype=torch.float32, device=where)
             here = found if where == device else torch.zeros((), dtype=torch.float32, device=where)
-            _compat.non_finite_check_(tensors, here, ones)  # an inverse scale of 1 leaves the values alone
+            _compat.non_finite_check_(tensors, here, self._ones_on(where))  # an inverse scale of 1 leaves them alone
             if here is not found:
                 found += here.to(device)
+        if len(groups) == 1 and all(g.layout == torch.strided and type(g) is torch.Tensor for g in grads):
+            self._plain = len(grads)  # the same parameters next step take the one-kernel path
+        return self._agree(found)
+
+    def _ones_on(self, device: torch.device) -> torch.Tensor:
+        ones = self._ones.get(device)
+        if ones is None:
+            ones = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        return ones
+
+    def _agree(self, found: torch.Tensor) -> torch.Tensor:
         if self.all_reduce_max is not None:
             self.all_reduce_max(found)
         return found

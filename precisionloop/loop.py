@@ -198,16 +198,25 @@ class _Tally:
 
     def __init__(self, device: torch.device, steps: int, skipped: int, measured: int):
         self.loss_sum, self.count, self.samples = torch.zeros((), dtype=torch.float32, device=device), 0, 0
+        self.losses: list[torch.Tensor] = []  # summed in batches: one kernel per 256 steps, not one per step
         self.steps_before, self.skipped_before, self.measured_before = steps, skipped, measured
         self.start = time.perf_counter()
 
     def add(self, result, batch: Any) -> None:
-        self.loss_sum += result._loss
+        self.losses.append(result._loss)
+        if len(self.losses) == 256:
+            self._fold()
         self.count += 1
         self.samples += batch_size(batch) or 0
 
+    def _fold(self) -> None:
+        if self.losses:
+            self.loss_sum += torch.stack(self.losses).float().sum()
+            self.losses.clear()
+
     def record(self, trainer, complete: bool) -> dict:
         elapsed = time.perf_counter() - self.start
+        self._fold()
         loss_sum, count, samples = self.loss_sum, self.count, self.samples
         if trainer.distributed:
             device = trainer.device

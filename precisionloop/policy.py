@@ -86,9 +86,12 @@ class PrecisionPolicy:
     def backend_flags(self) -> Iterator[None]:
         """Set TF32 and ``cudnn.benchmark`` while the block runs, then restore the caller's values."""
         saved = _read_flags()
+        wanted = (_tf32_flags(self.tf32), self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark)
+        if wanted == saved:  # already set (inside fit, or for the same policy): nothing to write or restore
+            yield
+            return
         try:
-            benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
-            _write_flags(_tf32_flags(self.tf32), benchmark)
+            _write_flags(*wanted)
             yield
         finally:
             _write_flags(*saved)

@@ -334,10 +334,14 @@ class Trainer:
             self._configure(get_policy(state.get("precision"), self.device), None)
             self._autotune_compile = None
             log.info("autotune skipped: resuming under the checkpoint's precision %s", self.policy.name)
-        saved, now = checkpoint.precision_of(state), checkpoint.precision_of(checkpoint.policy_record(self.policy))
+        saved, now = state.get("precision"), self.policy.name
         if saved != now:
-            warnings.warn(f"{source} was saved under precision {saved} and is loaded under {now}; "
+            warnings.warn(f"{source} was saved under precision {saved!r} and is loaded under {now!r}; "
                           "the loss-scaler state does not carry over between them", UserWarning, stacklevel=3)
+        elif checkpoint.precision_of(state) != checkpoint.precision_of(checkpoint.policy_record(self.policy)):
+            warnings.warn(f"{source} was saved under precision {checkpoint.precision_of(state)} and is loaded under "
+                          f"{checkpoint.precision_of(checkpoint.policy_record(self.policy))}; training goes on with "
+                          "this Trainer's keep_fp32", UserWarning, stacklevel=3)
         checkpoint.restore_trainer(self, state, source)
 
     def save(self, path: str | os.PathLike) -> Path:

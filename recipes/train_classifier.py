@@ -1,6 +1,7 @@
-"""Train a small image classifier: an ordinary script where --precision is the only precision-related line.
+"""Train a small image classifier: an ordinary script where --precision (and --keep-fp32) are the only precision lines.
 
     python recipes/train_classifier.py                        # offline, on data it makes itself
+    python recipes/train_classifier.py --precision bf16 --keep-fp32 BatchNorm2d,head   # norms and head in fp32
     python recipes/train_classifier.py --dataset FashionMNIST --data-dir ~/data --download
     python recipes/train_classifier.py --checkpoint-dir ckpt --max-steps 50   # stop early ...
     python recipes/train_classifier.py --checkpoint-dir ckpt --resume ckpt/last.pt   # ... and resume exactly
@@ -12,7 +13,9 @@ Copy it and change what you like.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -20,20 +23,35 @@ from torch import nn
 from torch.utils.data import DataLoader, random_split
 from torchmetrics.classification import MulticlassAccuracy
 
-from precisionloop import Trainer
+from precisionloop import Trainer, get_policy
 from precisionloop.recipes.data import TORCHVISION_DATASETS, image_dataset
 
+
 def small_cnn(classes: int = 10) -> nn.Module:
-    return nn.Sequential(
+    features = nn.Sequential(
         nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Dropout(0.2), nn.Linear(64 * 7 * 7, classes),
+        nn.Flatten(),
     )
+    # Named parts, so that --keep-fp32 can name them: "head" is the classifier.
+    return nn.Sequential(OrderedDict(features=features, dropout=nn.Dropout(0.2), head=nn.Linear(64 * 7 * 7, classes)))
+
+
+def keep_fp32_entries(names: str) -> tuple:
+    """``--keep-fp32``'s value: a class of torch.nn (BatchNorm2d, LayerNorm, ...) by its name, else a module-name pattern."""
+    entries = []
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        cls = getattr(nn, name, None)
+        entries.append(cls if isinstance(cls, type) and issubclass(cls, nn.Module) else name)
+    return tuple(entries)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--precision", default="auto", help="fp32, tf32, bf16, fp16 or auto (default)")
+    p.add_argument("--keep-fp32", default=None, metavar="NAMES",
+                   help="comma-separated modules to run in fp32 under bf16/fp16: torch.nn classes "
+                        "(BatchNorm2d, LayerNorm, ...) or module-name patterns (head, features.*)")
     p.add_argument("--dataset", default="FashionMNIST", choices=TORCHVISION_DATASETS)
     p.add_argument("--data-dir", default=None, help="where the torchvision dataset lives; without it, synthetic data")
     p.add_argument("--download", action="store_true", help="download the dataset into --data-dir")
@@ -59,10 +77,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     model = small_cnn()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    trainer = Trainer(model, optimizer, precision=args.precision, device=args.device)
+    precision = args.precision
+    if args.keep_fp32:
+        precision = dataclasses.replace(get_policy(args.precision, args.device), keep_fp32=keep_fp32_entries(args.keep_fp32))
+    trainer = Trainer(model, optimizer, precision=precision, device=args.device)
     say = print if trainer.is_main else (lambda *a: None)  # under torchrun, rank 0 speaks for all
     say(f"data: {source}")
-    say(f"training with {trainer.policy.name} on {trainer.device}"
+    kept = ", ".join(e if isinstance(e, str) else e.__name__ for e in trainer.policy.keep_fp32)
+    say(f"training with {trainer.policy.name} on {trainer.device}" + (f", keeping {kept} in fp32" if kept else "")
         + (f", {trainer.distributed} over {torch.distributed.get_world_size()} processes" if trainer.distributed else ""))
     if args.resume:
         trainer.load(args.resume)

@@ -216,7 +216,8 @@ def test_validate_normalises_to_a_hashable_tuple():
     assert validate_keep_fp32(nn.LayerNorm) == (nn.LayerNorm,)
     assert validate_keep_fp32("blocks.*.norm") == ("blocks.*.norm",)
     assert validate_keep_fp32(()) == ()
-    assert validate_keep_fp32(["head", "head", nn.LayerNorm, nn.LayerNorm]) == ("head", nn.LayerNorm)
+    assert validate_keep_fp32(["head", "head", nn.LayerNorm, nn.LayerNorm]) == (nn.LayerNorm, "head")
+    assert validate_keep_fp32(["head", nn.Linear, nn.LayerNorm]) == validate_keep_fp32([nn.LayerNorm, "head", nn.Linear])
     assert hash(validate_keep_fp32([nn.LayerNorm, "head"])) == hash((nn.LayerNorm, "head"))
 
 

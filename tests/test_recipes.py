@@ -72,6 +72,33 @@ def test_train_classifier_runs_offline_and_resumes(tmp_path, capsys):
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_train_classifier_keeps_named_modules_in_fp32(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from precisionloop.fp32_modules import is_kept
+
+    script = _load_script("train_classifier")
+    made = []
+
+    class Recording(script.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(script, "Trainer", Recording)
+    assert [n for n, _ in script.small_cnn().named_children()] == ["features", "dropout", "head"]
+    history = script.main(["--precision", "bf16", "--keep-fp32", "BatchNorm2d,head", "--device", "cpu",
+                           "--synthetic-size", "160", "--batch-size", "32", "--epochs", "1", "--max-steps", "2",
+                           "--no-progress", "--checkpoint-dir", str(tmp_path)])
+    assert "training with bf16 on cpu, keeping BatchNorm2d, head in fp32" in capsys.readouterr().out
+    assert history[-1]["steps"] == 2 and history[-1]["skipped"] == 0
+    assert [n for n, m in made[0].model.named_modules() if is_kept(m)] == ["features.1", "features.5", "head"]
+    state = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert state["precision"] == "bf16" and state["keep_fp32"] == ["torch.nn.modules.batchnorm.BatchNorm2d", "head"]
+    with pytest.raises(ValueError, match="'haed'"):  # a typo is an error, not a silent no-op
+        script.main(["--precision", "bf16", "--keep-fp32", "haed", "--device", "cpu", "--synthetic-size", "64"])
+
+
 def test_train_classifier_missing_dataset_says_how_to_get_it(tmp_path):
     script = _load_script("train_classifier")
     with pytest.raises(SystemExit, match="--download"):
