@@ -140,7 +140,9 @@ def profile(config: Config, args, package, steps: int = 60) -> str:
     sync()
     profiler.disable()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(12)
+    stats.sort_stats("cumulative").print_stats(package.__name__, 14)  # the package's own functions
     return f"--- cProfile, {package.__name__} Trainer.step x{steps}, {config.label} ---\n" + out.getvalue()
 
 
