@@ -126,9 +126,9 @@ def load_before(path: str):
     return module
 
 
-def profile(config: Config, args, package, steps: int = 60) -> str:
-    """cProfile of ``steps`` Trainer.step calls after a warm-up: the host's time per function."""
-    run = _trainer(package, config, args, False)
+def profile(config: Config, args, package, steps: int = 60, fit: bool = False) -> str:
+    """cProfile of ``steps`` Trainer.step calls (fit: epochs) after a warm-up: the host's time per function."""
+    run = _trainer(package, config, args, fit)
     for _ in range(args.warmup):
         run.step()
     sync = torch.cuda.synchronize if args.device.type == "cuda" else (lambda: None)
@@ -143,7 +143,8 @@ def profile(config: Config, args, package, steps: int = 60) -> str:
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(12)
     stats.sort_stats("cumulative").print_stats(package.__name__, 14)  # the package's own functions
-    return f"--- cProfile, {package.__name__} Trainer.step x{steps}, {config.label} ---\n" + out.getvalue()
+    what = f"Trainer.fit x{steps} epochs of {args.fit_steps}" if fit else f"Trainer.step x{steps}"
+    return f"--- cProfile, {package.__name__} {what}, {config.label} ---\n" + out.getvalue()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
     p.add_argument("--profile", action="store_true", help="cProfile Trainer.step for the first configuration")
+    p.add_argument("--profile-fit", action="store_true", help="cProfile Trainer.fit epochs for the first configuration")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default=None, help="default: cuda (the cost that matters is on a GPU)")
     args = p.parse_args(argv)
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.profile and i == 0:
             for package in [before, precisionloop] if before is not None else [precisionloop]:
                 print(profile(config, args, package), flush=True)
+        if args.profile_fit and i == 0:
+            print(profile(config, args, precisionloop, steps=5, fit=True), flush=True)
         timings = interleaved(step_systems(config, args, before), rounds=args.rounds, iters=args.iters,
                               warmup=args.warmup, device=args.device)
         fits = interleaved(fit_systems(config, args, before), rounds=args.rounds, iters=args.fit_epochs, warmup=2,

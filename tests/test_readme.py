@@ -17,5 +17,6 @@ def test_readme_python_block_runs(index, tmp_path, monkeypatch):
 
 def test_readme_test_command_is_what_ci_runs():
     ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
-    assert "grep -m1 '^python -m pytest' README.md" in ci
-    assert re.search(r"^python -m pytest", README.read_text(), re.M)
+    assert "grep -m1 '^pip install .*python -m pytest' README.md" in ci
+    # The one command installs what the tests need, then runs them, so it works on a fresh machine.
+    assert re.search(r'^pip install -e "\.\[test\]" && python -m pytest', README.read_text(), re.M)
