@@ -9,6 +9,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from . import _compat
+
 __all__ = ["gradient_underflow", "underflow_summary", "UnderflowReport", "ParameterUnderflow"]
 
 
@@ -106,7 +108,7 @@ def gradient_underflow(
     tiny = torch.finfo(dtype).smallest_normal
     names, counts, magnitudes = [], [], []
     for name, grad in grads:
-        g = (grad._values() if grad.is_sparse else grad).detach().float().reshape(-1)
+        g = _compat.dense_values(grad).detach().float().reshape(-1)
         nonzero = g != 0
         cast = g.to(dtype)
         scaled = (g * scale).to(dtype)

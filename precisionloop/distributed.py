@@ -77,6 +77,29 @@ def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, 
     return mode, device
 
 
+# torch's fused optimizer kernels that accept FSDP2's DTensor parameters. Seen on torch 2.11 (CUDA) and 2.14
+# (CPU): Adam and AdamW step; SGD and Adagrad raise "... does not have a sharding strategy registered".
+FSDP_FUSED = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, mode: str | None) -> None:
+    """Refuse, at construction, a fused optimizer that FSDP2's sharded parameters would crash at the first step.
+
+    Raises:
+        ValueError: naming the optimizer and the fused optimizers that work.
+    """
+    if mode == "fsdp" and any(g.get("fused") for g in optimizer.param_groups) and type(optimizer) not in FSDP_FUSED:
+        raise ValueError(
+            f"distributed='fsdp' cannot run a fused {type(optimizer).__name__}: FSDP2 shards parameters into "
+            "DTensors, and torch has no DTensor rule for its fused kernel. Fused Adam and AdamW work; for "
+            f"{type(optimizer).__name__}, build it with fused=False (the foreach implementation)")
+
+
+def may_fuse(optimizer: torch.optim.Optimizer, mode: str | None) -> bool:
+    """Whether the Trainer may switch a default optimizer to its fused kernel under this mode."""
+    return mode != "fsdp" or type(optimizer) in FSDP_FUSED
+
+
 def is_wrapped(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 

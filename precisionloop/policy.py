@@ -27,9 +27,10 @@ class PrecisionPolicy:
     """An immutable description of how a training step handles precision.
 
     The Trainer reaches a policy only through ``autocast``, ``make_guard`` (built
-    from ``make_scaler``), ``backend_flags``, ``prepare_model`` and
-    ``memory_format``, plus the attributes ``name`` and ``compute_dtype``. Subclass
-    it (or one of the three concrete policies) to support custom hardware.
+    from ``make_scaler``), ``backend_flags``, ``check_model``, ``prepare_model``
+    and ``memory_format``, plus the attributes ``name``, ``compute_dtype`` and
+    ``keep_fp32``. Subclass it (or one of the three concrete policies) to support
+    custom hardware.
 
     Args:
         tf32: let fp32 matmuls and convolutions use TF32 tensor cores on CUDA.

@@ -58,7 +58,8 @@ class Trainer:
             implementation (``fused`` and ``foreach`` not given) runs its fused one, whose
             step takes the skip verdict on the device: no host sync per step. The algorithm
             and hyperparameters are unchanged. ``False`` keeps the optimizer as given; each
-            optimizer step then syncs the host once to decide a skip. Not under FSDP2.
+            optimizer step then syncs the host once to decide a skip. Under FSDP2, only Adam
+            and AdamW (whose fused kernels take sharded parameters).
         autotune: with ``precision="auto"``, choose the configuration by measuring:
             the first ``step`` runs :func:`precisionloop.autotune` on copies of the model
             with that first batch (compiled candidates too when ``compile=True``), prints
@@ -66,8 +67,8 @@ class Trainer:
 
     Raises:
         ValueError: bad arguments, an optimizer that does not hold the model's
-            trainable parameters, parameters that are not fp32, or a device that cannot
-            run the precision.
+            trainable parameters, parameters that are not fp32, a device that cannot
+            run the precision, or a fused SGD/Adagrad under ``distributed="fsdp"``.
 
     Example:
         >>> import torch
@@ -102,13 +103,14 @@ class Trainer:
         policy.check_model(model)
         _check_master_weights(model, policy)
         _check_optimizer(model, optimizer)
+        _dist.check_optimizer(optimizer, self.distributed)
         mode = compile_mode(compile, self.device)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
         self.loop_state = loop.LoopState()
         self.model = model.to(self.device)
-        if fuse_optimizer and self.distributed != "fsdp" and fuse_default_optimizer(optimizer):
+        if fuse_optimizer and _dist.may_fuse(optimizer, self.distributed) and fuse_default_optimizer(optimizer):
             log.info("%s runs its fused implementation, so a skipped step is decided on the device without a host "
                      "sync (fuse_optimizer=False keeps it as given)", type(optimizer).__name__)
         self.engine = StepEngine(self.model, optimizer, self.device, loss_of=self.compute_loss,

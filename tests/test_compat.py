@@ -92,3 +92,33 @@ def test_dense_values_of_a_sparse_gradient():
     assert not values.is_sparse and values.shape[-1] == 4
     dense = torch.ones(3)
     assert _compat.dense_values(dense) is dense
+
+
+def test_use_fused_implementation_matches_a_fused_constructor():
+    a, b = nn.Linear(3, 2), nn.Linear(3, 2)
+    b.load_state_dict(a.state_dict())
+    switched = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    _compat.use_fused_implementation(switched)
+    built = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9, fused=True)
+    assert _compat.skips_on_device(switched) and switched.param_groups[0]["fused"] is True
+    for _ in range(2):
+        for model, optimizer in ((a, switched), (b, built)):
+            model(torch.ones(4, 3)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_compiled_backward_like_eager_sets_and_restores_the_setting():
+    import torch._functorch.config as config
+
+    if not hasattr(config, "backward_pass_autocast"):
+        pytest.skip("this torch has no backward_pass_autocast setting; the context manager is a no-op")
+    before = config.backward_pass_autocast
+    with _compat.compiled_backward_like_eager():
+        assert config.backward_pass_autocast == "off"
+    assert config.backward_pass_autocast == before
+    with pytest.raises(RuntimeError):
+        with _compat.compiled_backward_like_eager():
+            raise RuntimeError("boom")
+    assert config.backward_pass_autocast == before

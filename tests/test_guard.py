@@ -61,3 +61,15 @@ def test_guards_share_one_interface():
     assert scaler_guard.scale(loss).item() == 8.0 and finite.scale(loss) is loss
     assert finite.scale_tensor() is None and finite.scale_value() is None and finite.state_dict() is None
     assert scaler_guard.scale_value() == 4.0 and set(scaler_guard.state_dict()) >= {"scale", "growth_factor"}
+
+
+def test_fsdp_refuses_fused_optimizers_without_dtensor_kernels():
+    from precisionloop import distributed as dist
+
+    params = list(tiny_mlp().parameters())
+    with pytest.raises(ValueError, match="fused SGD.*Adam and AdamW work.*fused=False"):
+        dist.check_optimizer(torch.optim.SGD(params, lr=0.1, fused=True), "fsdp")
+    dist.check_optimizer(torch.optim.AdamW(params, lr=0.1, fused=True), "fsdp")  # its fused kernel takes DTensors
+    dist.check_optimizer(torch.optim.SGD(params, lr=0.1), "fsdp")
+    dist.check_optimizer(torch.optim.SGD(params, lr=0.1, fused=True), "ddp")
+    assert dist.may_fuse(torch.optim.AdamW(params), "fsdp") and not dist.may_fuse(torch.optim.SGD(params, lr=0.1), "fsdp")

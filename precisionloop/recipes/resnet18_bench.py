@@ -23,6 +23,7 @@ import torchvision
 from torch import nn
 from tqdm import tqdm
 
+from precisionloop._compat import compile_modes
 from precisionloop import Trainer, autotune, get_policy
 from precisionloop.tuning import default_candidates
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
@@ -287,12 +288,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"--precisions: {e}")
     if args.fused is None:
-        args.fused = cuda
-    if isinstance(args.compile, str):
-        from torch._inductor import list_mode_options
-
-        if args.compile not in list_mode_options():
-            p.error(f"--compile {args.compile!r} is not a torch.compile mode; valid: {', '.join(list_mode_options())}")
+        # FSDP2's sharded parameters have no fused-SGD kernel (the Trainer refuses one): foreach there.
+        args.fused = cuda and args.distributed != "fsdp"
+    if isinstance(args.compile, str) and args.compile not in compile_modes():
+        p.error(f"--compile {args.compile!r} is not a torch.compile mode; valid: {', '.join(compile_modes())}")
     args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or ("32,128" if cuda else "8"))
     args.iters = args.iters if args.iters is not None else (50 if cuda else 6)
     args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 2)
