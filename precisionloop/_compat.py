@@ -24,6 +24,11 @@ def scaler_scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:
     return scaler._get_scale_async()
 
 
+def forget_unscale(scaler: torch.amp.GradScaler) -> None:
+    """Forget an ``unscale_`` whose ``step``/``update`` never came (an error in between), so the next step can unscale."""
+    scaler._per_optimizer_states.clear()
+
+
 def non_finite_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """GradScaler's fused check: sets ``found_inf`` to 1 if any gradient is inf/NaN, and multiplies by ``inv_scale``."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

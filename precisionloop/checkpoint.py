@@ -134,6 +134,7 @@ def trainer_state(trainer) -> dict:
         "optimizer": optimizer_state,
         "optimizer_class": type(trainer.optimizer).__name__,
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+        "scheduler_class": type(trainer.scheduler).__name__ if trainer.scheduler is not None else None,
         "scaler": engine.guard.state_dict(),
         "counters": {
             "global_step": engine.global_step,
@@ -160,14 +161,9 @@ def precision_of(state: dict) -> str:
     return repr(state.get("precision")) + (f" keeping {', '.join(keep)} in fp32" if keep else "")
 
 
-def restore_trainer(trainer, state: dict, source: str) -> None:
-    """Load what :func:`trainer_state` returned into ``trainer``: checked first, then applied whole.
-
-    Raises:
-        ValueError: the state does not fit this model or optimizer; nothing was changed.
-    """
+def restore_trainer(trainer, state: dict) -> None:
+    """Load what :func:`trainer_state` returned into ``trainer``; call :func:`check_fits` first, so a misfit changes nothing."""
     engine, loop = trainer.engine, trainer.loop_state
-    check_fits(trainer.model, trainer.optimizer, state, source)
     engine.settle()
     engine.discard_window()  # gradients of an open window belong to the run being replaced
     load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], engine.distributed)
@@ -188,12 +184,16 @@ def restore_trainer(trainer, state: dict, source: str) -> None:
     set_rng_state(per_rank[_dist.rank()] if per_rank and len(per_rank) == _dist.world_size() else state["rng"])
 
 
-def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, source: str) -> None:
-    """Refuse, before anything changes, a state whose tensors or optimizer do not fit this model and optimizer.
+def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, source: str, scheduler=None) -> None:
+    """Refuse, before anything changes, a state whose tensors, optimizer or scheduler do not fit.
 
     Raises:
         ValueError: naming what does not fit.
     """
+    saved_scheduler = state.get("scheduler_class")
+    if scheduler is not None and saved_scheduler is not None and saved_scheduler != type(scheduler).__name__:
+        raise ValueError(f"{source} holds the state of a {saved_scheduler} scheduler, but this Trainer's scheduler is a "
+                         f"{type(scheduler).__name__}; nothing was loaded")
     expected = {k: tuple(v.shape) for k, v in _dist.unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
     saved = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     problems = [f"missing {k}" for k in expected if k not in saved]
@@ -236,11 +236,20 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
     """Load what :func:`full_state` returned."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-    options = StateDictOptions(full_state_dict=distributed == "fsdp")
+    # check_fits has matched every model tensor; strict=False lets parameters that never had a gradient
+    # (an unused branch) have no optimizer state, as they had none when saved.
+    options = StateDictOptions(full_state_dict=distributed == "fsdp", strict=False)
+    # Which kernel runs (fused, foreach) belongs to the live optimizer, not to the saved run.
+    kernels = [{k: g[k] for k in _KERNEL_KEYS if k in g} for g in optimizer.param_groups]
     if optimizer_state["state"]:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
-        return
-    set_model_state_dict(model, model_state, options=options)
-    optimizer.state.clear()  # the saved optimizer had not stepped yet
-    for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"]):
-        group.update({k: v for k, v in saved.items() if k != "params"})
+    else:
+        set_model_state_dict(model, model_state, options=options)
+        optimizer.state.clear()  # the saved optimizer had not stepped yet
+        for group, saved in zip(optimizer.param_groups, optimizer_state["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    for group, kernel in zip(optimizer.param_groups, kernels):
+        group.update(kernel)
+
+
+_KERNEL_KEYS = ("fused", "foreach")

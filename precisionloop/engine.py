@@ -124,8 +124,8 @@ def prepare_model(model: nn.Module, policy: PrecisionPolicy, mode: str | None, d
     """Apply a policy to a model on its device: layout, compile, then DDP/FSDP2; returns it and the input layout."""
     if not _dist.is_wrapped(model):
         model = policy.prepare_model(model)
-    else:  # a model the user wrapped keeps its layout; its kept modules still run in fp32
-        fp32_modules.keep_fp32_(model, policy.keep_fp32)
+    else:  # a model the user wrapped keeps its layout; its kept modules (named as in the model inside) still run in fp32
+        fp32_modules.keep_fp32_(_dist.unwrap(model), policy.keep_fp32)
     input_format = policy.memory_format(_dist.unwrap(model))
     if mode is not None:
         _dist.unwrap(model).compile(mode=mode)  # in place, so state_dict keys do not change
@@ -143,7 +143,13 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
         fmt = memory_format if batch.dim() == 4 and batch.is_floating_point() else torch.preserve_format
         return batch.to(device, non_blocking=device.type == "cuda", memory_format=fmt)
     if isinstance(batch, dict):
-        return {k: to_device(v, device, memory_format) for k, v in batch.items()}
+        moved = {k: to_device(v, device, memory_format) for k, v in batch.items()}
+        if type(batch) is dict:
+            return moved
+        try:
+            return type(batch)(moved)  # a dict subclass stays one (attribute-style batches, say)
+        except TypeError:
+            return moved
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(to_device(v, device, memory_format) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -217,9 +223,12 @@ class StepEngine:
             self.guard.scale(scaled).backward()
         self.unsynced = bool(self.distributed) and not syncs
         self.micro += 1
+        loss = loss.detach()
+        if self.compile_mode is not None:
+            loss = loss.clone()  # a CUDA-graph output would be overwritten by the next replay
         if self.micro < self.grad_accum_steps:
-            return StepResult(loss.detach(), due=False, scale=self.last_scale)
-        return self.optimizer_step(loss.detach())
+            return StepResult(loss, due=False, scale=self.last_scale)
+        return self.optimizer_step(loss)
 
     def _compiled_step(self, batch: Any) -> StepResult:
         # Tells CUDA-graph trees a new iteration begins, so the last step's outputs may be reused; a no-op otherwise.
@@ -240,7 +249,7 @@ class StepEngine:
             return None
         if self.unsynced:
             _dist.average_gradients(self.model, self.params())
-        return self.optimizer_step(torch.full((), float("nan"), dtype=torch.float32))
+        return self.optimizer_step(torch.full((), float("nan"), dtype=torch.float32, device=self.device))
 
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
         """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update."""
@@ -280,13 +289,15 @@ class StepEngine:
             self._host = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
             self._event = torch.cuda.Event()
         self._host.copy_(verdict, non_blocking=True)
-        self._event.record()
+        self._event.record(torch.cuda.current_stream(verdict.device))
         self._pending = (self._host, self._event)
 
     def discard_window(self) -> None:
         """Drop the gradients of an open accumulation window (after an error, or on load)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.micro, self.unsynced = 0, False
+        if self.guard is not None:
+            self.guard.abandon()
 
     def settle(self) -> None:
         """Book the last optimizer step's verdict: counters, scheduler, skip limit, collapse warning.

@@ -109,6 +109,7 @@ def select_modules(model: nn.Module, entries: Any) -> list[tuple[str, nn.Module]
             raise ValueError(_no_match_message(model, pattern, names))
 
     selected: list[tuple[str, nn.Module]] = []
+    outer: list[str] = []  # the names matched, containers included, whose descendants need no second wrapper
     for name, module in named:
         if not (isinstance(module, classes) or any(fnmatch.fnmatchcase(name, p) for p in patterns)):
             continue
@@ -117,10 +118,19 @@ def select_modules(model: nn.Module, entries: Any) -> list[tuple[str, nn.Module]
         # a second wrapper would change nothing and only add context switches
         # (and dynamo work) per call. named_modules() is pre-order, so any
         # selected ancestor is already in `selected`.
-        if any(_is_descendant(name, outer) for outer, _ in selected):
+        if any(_is_descendant(name, o) for o in outer):
             continue
-        selected.append((name, module))
+        outer.append(name)
+        selected.extend(_callable_parts(name, module))
     return selected
+
+
+def _callable_parts(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A ModuleList or ModuleDict is never called, so keeping it means keeping what it holds."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [(name, module)]
+    prefix = f"{name}." if name else ""
+    return [part for child_name, child in module.named_children() for part in _callable_parts(prefix + child_name, child)]
 
 
 def keep_fp32_(model: nn.Module, entries: Any) -> list[str]:
@@ -244,7 +254,7 @@ def _other_device_type(args: tuple, kwargs: dict) -> str | None:
 
 
 def _is_descendant(name: str, ancestor: str) -> bool:
-    return ancestor == "" or name.startswith(ancestor + ".")
+    return name != ancestor and (ancestor == "" or name.startswith(ancestor + "."))
 
 
 def _no_match_message(model: nn.Module, pattern: str, names: list[str]) -> str:

@@ -1,17 +1,19 @@
 """Gradient guards: what stands between a backward pass and the optimizer step.
 
-A policy hands the step one guard, and the step calls the same five methods whatever the
-precision, so it never asks whether there is a loss scaler:
+A policy hands the step one guard, and the step calls it the same way whatever the precision,
+so it never asks whether there is a loss scaler:
 
 - ``scale(loss)``: the loss to call ``backward`` on;
 - ``unscale_(optimizer, grads)``: unscale the gradients in place and return the inf/NaN
   verdict as a device tensor (1.0: skip);
 - ``step(optimizer, found_inf)``: step the optimizer unless the verdict says skip;
-- ``update()``: adjust the loss scale after the step;
-- ``state_dict()`` / ``load_state_dict()``, ``scale_tensor()``, ``scale_value()``.
+- ``update()``: adjust the loss scale after the step; ``abandon()``: forget a step that failed midway;
+- ``scale_tensor()`` / ``scale_value()``: the scale on the device / host, or None;
+- ``state_dict()`` / ``load_state_dict()``: the scaler's state, or None.
 
 ``ScalerGuard`` is backed by a ``torch.amp.GradScaler`` (fp16); ``FiniteGuard`` is a plain
-non-finite check (fp32, bf16). Neither syncs the host with a fused optimizer.
+non-finite check (fp32, bf16). With a fused optimizer neither syncs the host, except on a fused
+SGD's first momentum step (see ``_FirstStepCheck``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 import torch
+from torch import nn
 
 from . import _compat
 
@@ -34,6 +37,7 @@ class GradientGuard(Protocol):
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor: ...
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None: ...
     def update(self) -> None: ...
+    def abandon(self) -> None: ...
     def scale_tensor(self) -> torch.Tensor | None: ...
     def scale_value(self) -> float | None: ...
     def state_dict(self) -> dict | None: ...
@@ -74,16 +78,21 @@ def _step_under_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tenso
         optimizer.step()
 
 
-def fuse_default_optimizer(optimizer: torch.optim.Optimizer, device_types: tuple[str, ...] = ("cuda",)) -> bool:
+def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = None,
+                           device_types: tuple[str, ...] = ("cuda",)) -> bool:
     """Switch a torch SGD, Adam or AdamW left at its default implementation to its fused one; True if switched.
 
     The fused kernels take the skip verdict as a device tensor, so a guarded step needs no
     host sync; the default (foreach) ones need the verdict on the host first. The algorithm
     and every hyperparameter stay the same. Left alone: other classes (subclasses too), an
     optimizer with state, and any group that set ``fused``, ``foreach``, ``capturable`` or
-    ``differentiable`` itself, or holds a parameter the fused kernels cannot take.
+    ``differentiable`` itself, or holds a parameter the fused kernels cannot take, and any
+    optimizer of a ``model`` with sparse embeddings (the fused kernels take no sparse gradients).
     """
     if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
+        return False
+    if model is not None and any(getattr(m, "sparse", False) for m in model.modules()
+                                 if isinstance(m, (nn.Embedding, nn.EmbeddingBag))):
         return False
     for group in optimizer.param_groups:
         if group.get("fused") is not None or group.get("foreach") or group.get("capturable") or group.get("differentiable"):
@@ -119,6 +128,10 @@ class ScalerGuard:
     def update(self) -> None:
         self.scaler.update()
 
+    def abandon(self) -> None:
+        """Forget a step that failed between ``unscale_`` and ``update``."""
+        _compat.forget_unscale(self.scaler)
+
     def scale_tensor(self) -> torch.Tensor:
         return _compat.scaler_scale_tensor(self.scaler)
 
@@ -153,7 +166,9 @@ class FiniteGuard:
         return loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        if grads and self._plain == len(grads):  # all dense, on one device: one kernel, no regrouping
+        # The same count as a step seen all dense on one device, and dense again (a sparse gradient, as from a
+        # sparse embedding used on some steps only, takes the grouping path): one kernel, no regrouping.
+        if grads and self._plain == len(grads) and all(type(g) is torch.Tensor and g.layout is torch.strided for g in grads):
             device = grads[0].device
             found = torch.zeros((), dtype=torch.float32, device=device)
             _compat.non_finite_check_(grads, found, self._ones_on(device))
@@ -189,6 +204,9 @@ class FiniteGuard:
         _step_under_verdict(optimizer, found_inf, self._first)
 
     def update(self) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass
 
     def scale_tensor(self) -> None:

@@ -56,6 +56,10 @@ class FitPlan:
         check_int("log_every", self.log_every, 1)
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
+        if self.checkpoint_dir is not None and self.checkpoint_every is None:
+            raise ValueError("checkpoint_dir is written every checkpoint_every optimizer steps: set checkpoint_every too")
+        if not isinstance(self.callbacks, (list, tuple)):
+            raise ValueError(f"callbacks must be a list or tuple of callback objects, got {type(self.callbacks).__name__}")
         if self.keep_last is not None and self.checkpoint_every is None:
             raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
 
@@ -141,9 +145,10 @@ def _step(trainer, batch: Any):
     try:
         result = trainer.step(batch)
     except BaseException:
-        # If the optimizer step completed before the error (the skip limit), this batch was consumed;
-        # otherwise the engine dropped the open window, and a later fit replays its batches.
-        state.batch_in_epoch += 1 if engine.global_step != before else -window
+        # If the optimizer step completed before the error (the skip limit), this batch was consumed.
+        # Otherwise a later fit replays from the first batch of the window the engine dropped, or from
+        # this batch if the error came before the engine ran (the window is then still open).
+        state.batch_in_epoch += 1 if engine.global_step != before else engine.micro - window
         raise
     state.batch_in_epoch += 1
     return result
@@ -248,9 +253,11 @@ def _postfix(engine) -> dict:
 
 
 def _periodic_save(trainer, directory: Path, keep_last: int | None) -> None:
-    trainer.save(directory / f"step-{trainer.global_step:08d}.pt")
+    path = trainer.save(directory / f"step-{trainer.global_step:08d}.pt")
     if keep_last is not None and _dist.is_main():
-        for old in sorted(directory.glob("step-*.pt"))[:-keep_last]:
+        # Newest by write time, not by name: files of an earlier, longer run must not outlive this run's.
+        others = sorted((p for p in directory.glob("step-*.pt") if p != path), key=lambda p: p.stat().st_mtime)
+        for old in others[:max(0, len(others) - (keep_last - 1))]:
             old.unlink(missing_ok=True)
 
 
@@ -284,10 +291,13 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
         # The flags of the policy in force now: autotune may have replaced the one fit started with.
         with trainer.policy.backend_flags(), torch.no_grad():
             for batch in loader:
+                n = batch_size(batch)
+                if n == 0:
+                    continue  # an empty batch has no loss to average in
                 batch = trainer.to_device(batch)
                 with trainer.policy.autocast(device.type):
                     loss, outputs, targets = trainer._evaluation_step(batch, bool(metrics))
-                n = batch_size(batch) or 1
+                n = n or 1
                 loss_sum += loss.float() * n
                 count += n
                 if isinstance(outputs, torch.Tensor) and outputs.is_floating_point():

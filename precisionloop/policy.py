@@ -65,6 +65,11 @@ class PrecisionPolicy:
     note: str = dataclasses.field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("tf32", "cudnn_benchmark", "channels_last"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and name != "tf32")):
+                raise ValueError(f"{name} must be {'True or False' if name == 'tf32' else 'True, False or None'}, "
+                                 f"got {value!r}")
         object.__setattr__(self, "keep_fp32", fp32_modules.validate_keep_fp32(self.keep_fp32))  # frozen: normalise once
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
@@ -173,10 +178,10 @@ class FP16Policy(PrecisionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.init_scale > 0:
-            raise ValueError(f"init_scale must be > 0, got {self.init_scale!r}")
-        if not self.growth_factor > 1:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
+        if not 0 < self.init_scale < float("inf"):
+            raise ValueError(f"init_scale must be a finite number > 0, got {self.init_scale!r}")
+        if not 1 < self.growth_factor < float("inf"):
+            raise ValueError(f"growth_factor must be a finite number > 1, got {self.growth_factor!r}")
         if not 0 < self.backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or self.growth_interval < 1:
@@ -263,6 +268,8 @@ def _as_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = _parse_device(device)
+    if device.type == "meta":
+        raise ValueError("device 'meta' holds no data, so nothing can train there; use 'cpu' or 'cuda'")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")

@@ -7,6 +7,7 @@ in :mod:`precisionloop.checkpoint` and the measuring in :mod:`precisionloop.tuni
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import os
 import warnings
@@ -88,10 +89,16 @@ class Trainer:
                  autotune: bool = False, fuse_optimizer: bool = True):
         loop.check_int("grad_accum_steps", grad_accum_steps, 1)
         loop.check_int("max_consecutive_skips", max_consecutive_skips, 1)
-        if max_grad_norm is not None and not max_grad_norm > 0:
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not 0 < max_grad_norm < float("inf")):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        if scheduler is not None and (isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None))):
+            raise ValueError(f"scheduler must be an LR scheduler instance built on the optimizer, got {scheduler!r}")
         if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError("scheduler drives a different optimizer than the one given to the Trainer")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("LBFGS steps through a closure that re-evaluates the loss, which a guarded step cannot "
+                             "skip; use another torch.optim optimizer")
         if autotune and not (isinstance(precision, str) and precision.strip().lower() == "auto"):
             raise ValueError(f"autotune=True chooses the precision itself: pass precision='auto', not {precision!r}")
         self.distributed, device = _dist.resolve(distributed, None if device is None else _parse_device(device))
@@ -100,7 +107,7 @@ class Trainer:
                              "the chosen policy to the distributed Trainer")
         self.device = _as_device(device)
         policy = get_policy(precision, self.device)
-        policy.check_model(model)
+        policy.check_model(_dist.unwrap(model))
         _check_master_weights(model, policy)
         _check_optimizer(model, optimizer)
         _dist.check_optimizer(optimizer, self.distributed)
@@ -110,7 +117,7 @@ class Trainer:
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
         self.loop_state = loop.LoopState()
         self.model = model.to(self.device)
-        if fuse_optimizer and _dist.may_fuse(optimizer, self.distributed) and fuse_default_optimizer(optimizer):
+        if fuse_optimizer and _dist.may_fuse(optimizer, self.distributed) and fuse_default_optimizer(optimizer, model):
             log.info("%s runs its fused implementation, so a skipped step is decided on the device without a host "
                      "sync (fuse_optimizer=False keeps it as given)", type(optimizer).__name__)
         self.engine = StepEngine(self.model, optimizer, self.device, loss_of=self.compute_loss,
@@ -236,15 +243,42 @@ class Trainer:
         """Optimizer steps taken or skipped."""
         return self.engine.global_step
 
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.engine.global_step = value
+
     @property
     def epoch(self) -> int:
         """Completed epochs."""
         return self.loop_state.epoch
 
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.loop_state.epoch = value
+
     @property
     def batch_in_epoch(self) -> int:
         """Micro-batches consumed in the current epoch."""
         return self.loop_state.batch_in_epoch
+
+    @batch_in_epoch.setter
+    def batch_in_epoch(self, value: int) -> None:
+        self.loop_state.batch_in_epoch = value
+
+    @property
+    def grad_accum_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.engine.grad_accum_steps
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The clipping norm, or None."""
+        return self.engine.max_grad_norm
+
+    @property
+    def max_consecutive_skips(self) -> int:
+        """Skipped optimizer steps in a row that raise."""
+        return self.engine.max_consecutive_skips
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the device, 4-D float tensors in the model's layout."""
@@ -331,7 +365,7 @@ class Trainer:
         Raises:
             ValueError: the state does not fit this model or optimizer; nothing was changed.
         """
-        checkpoint.check_fits(self.model, self.optimizer, state, source)
+        checkpoint.check_fits(self.model, self.optimizer, state, source, self.scheduler)
         if self._autotune_compile is not None:
             self._configure(get_policy(state.get("precision"), self.device), None)
             self._autotune_compile = None
@@ -344,7 +378,7 @@ class Trainer:
             warnings.warn(f"{source} was saved under precision {checkpoint.precision_of(state)} and is loaded under "
                           f"{checkpoint.precision_of(checkpoint.policy_record(self.policy))}; training goes on with "
                           "this Trainer's keep_fp32", UserWarning, stacklevel=3)
-        checkpoint.restore_trainer(self, state, source)
+        checkpoint.restore_trainer(self, state)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write a checkpoint atomically: ``path`` holds the old file or the whole new one, never half.
@@ -402,5 +436,8 @@ def _trial_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> Call
         twin = {id(p): q for p, q in zip(model.parameters(), params)}  # the copy's parameters, in model order
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [twin[id(p)] for p in g["params"]]}
                   for g in optimizer.param_groups]
-        return type(optimizer)(groups)
+        # Constructor arguments too (a custom optimizer may require lr), but only those it accepts:
+        # torch 2.14's AdamW keeps decoupled_weight_decay in its defaults yet refuses it as an argument.
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
     return build

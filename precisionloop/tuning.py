@@ -2,7 +2,8 @@
 
 The public entry point is :func:`precisionloop.autotune`. Candidates are timed with
 :func:`precisionloop.measure.interleaved` (fresh copies in rotating rounds) and trained with
-the same step engine the Trainer uses, so what is chosen is what will run.
+the same step engine the Trainer uses, with the optimizer ``optimizer_factory`` builds
+(the Trainer passes one like its own, already switched to a fused kernel where it did so).
 """
 
 from __future__ import annotations

@@ -122,3 +122,15 @@ def test_compiled_backward_like_eager_sets_and_restores_the_setting():
         with _compat.compiled_backward_like_eager():
             raise RuntimeError("boom")
     assert config.backward_pass_autocast == before
+
+
+def test_forget_unscale_lets_the_next_step_unscale_again():
+    model = _grad_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(optimizer)
+    with pytest.raises(RuntimeError, match="unscale_"):
+        scaler.unscale_(optimizer)
+    _compat.forget_unscale(scaler)
+    scaler.unscale_(optimizer)  # no "already been called" error

@@ -164,8 +164,9 @@ def fsdp_keep_fp32(rank, out_dir):
     # A model the user wrapped in DDP: its kept modules still run in fp32.
     inner, wrapped = _norm_net(), []
     ddp = torch.nn.parallel.DistributedDataParallel(inner)
-    inner[2].register_forward_hook(lambda m, args, out: wrapped.append(out.dtype))  # a kept Linear gives fp32, not bf16
-    Trainer(ddp, _optimizer(ddp), BF16Policy(keep_fp32=("module.2",)), device="cpu", distributed="ddp").step(
+    # A kept Linear gives fp32, not bf16; patterns name the modules inside the wrapper, as when the Trainer wraps.
+    inner[2].register_forward_hook(lambda m, args, out: wrapped.append(out.dtype))
+    Trainer(ddp, _optimizer(ddp), BF16Policy(keep_fp32=("2",)), device="cpu", distributed="ddp").step(
         _local(batches(1, batch_size=8)[0], rank))
     if rank == 0:
         torch.save({"params": params, "seen": seen, "outputs": outputs, "linear": linear, "seen_root": seen_root,

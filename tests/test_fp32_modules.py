@@ -157,7 +157,9 @@ def test_bitwise_equal_to_hand_written_reference():
         ((nn.Linear, "head"), ["embed", "blocks.0.lin", "blocks.1.lin", "head"]),
         # Ancestor and descendant both match: only the ancestor is kept.
         (("blocks.0", nn.LayerNorm), ["blocks.0", "blocks.1.norm"]),
-        (("blocks", "blocks.*"), ["blocks"]),
+        # A ModuleList is never called: keeping it keeps what it holds.
+        (("blocks", "blocks.*"), ["blocks.0", "blocks.1"]),
+        ((nn.ModuleList,), ["blocks.0", "blocks.1"]),
         ((Net,), [""]),
         ((nn.BatchNorm1d,), []),  # a class with no instances is not an error
     ],
