@@ -1,7 +1,7 @@
 """precisionloop: a PyTorch training step around a precision policy (fp32/TF32, bf16, fp16 with loss scaling)."""
 
 from .tuning import AutotuneResult, Candidate, autotune
-from .policy import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, get_policy
+from .policy import BF16Policy, FP8Policy, FP16Policy, FP32Policy, PrecisionPolicy, get_policy
 from .trainer import StepResult, Trainer, TrainStats
 
 __all__ = [
@@ -9,6 +9,7 @@ __all__ = [
     "FP32Policy",
     "BF16Policy",
     "FP16Policy",
+    "FP8Policy",
     "get_policy",
     "Trainer",
     "StepResult",

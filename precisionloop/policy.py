@@ -14,10 +14,10 @@ from typing import Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
-from . import _compat, fp32_modules
+from . import _compat, fp8, fp32_modules
 from .guard import FiniteGuard, GradientGuard, ScalerGuard
 
-__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "FP16Policy", "get_policy", "PRECISIONS"]
+__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "FP16Policy", "FP8Policy", "get_policy", "PRECISIONS"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,9 @@ class PrecisionPolicy:
             yield
         finally:
             _write_flags(*saved)
+
+    def check_compile(self, mode: str | None, device_type: str) -> None:
+        """Say so (a warning) if this policy is known to run slowly with this compile mode; silent by default."""
 
     def memory_format(self, model: nn.Module) -> torch.memory_format:
         """The layout for this model's 4-D weights and 4-D floating-point inputs."""
@@ -197,17 +200,80 @@ class FP16Policy(PrecisionPolicy):
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FP8Policy(BF16Policy):
+    """fp8 matmuls in chosen ``nn.Linear`` layers (torchao's float8 training), bf16 autocast for the rest.
+
+    Needs torchao (``pip install "precisionloop[fp8]"``) and a CUDA GPU of compute capability
+    8.9 or higher. fp8 pays only on large matmuls, and only compiled: ``precisionloop.autotune``
+    times each layer at the shapes it sees and converts those that gain.
+
+    Args:
+        recipe: torchao's scaling recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
+        layers: names (as in ``model.named_modules()``) of the ``nn.Linear`` layers to convert;
+            ``None`` converts every one whose dimensions are multiples of 16, except the
+            first and the last.
+        emulate: emulate the fp8 matmuls in fp32, on any device (for tests; slow).
+
+    Raises:
+        ValueError: an unknown recipe.
+    """
+
+    name: ClassVar[str] = "fp8"
+
+    recipe: str = "tensorwise"
+    layers: tuple[str, ...] | None = None
+    emulate: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recipe not in fp8.RECIPES:
+            raise ValueError(f"FP8Policy recipe must be one of {', '.join(fp8.RECIPES)}, got {self.recipe!r}")
+        if not isinstance(self.emulate, bool):
+            raise ValueError(f"emulate must be True or False, got {self.emulate!r}")
+        if self.layers is not None:
+            if isinstance(self.layers, str) or not all(isinstance(n, str) for n in self.layers):
+                raise ValueError(f"layers must be a tuple of module names, got {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))  # frozen: one canonical form
+
+    def check_model(self, model: nn.Module) -> None:
+        fp8.require_torchao()  # before the Trainer touches the model
+        fp8.check_layers(model, self.layers)
+        super().check_model(model)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """bf16's preparation, then the chosen ``nn.Linear`` layers converted to fp8 training.
+
+        Raises:
+            ValueError: torchao is missing, the device has no fp8 matmuls (and ``emulate``
+                is off), or a named layer cannot be converted.
+        """
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        fp8.check_device(device, self.emulate)
+        model = super().prepare_model(model)
+        model, converted = fp8.convert(model, self.recipe, self.emulate, self.layers)
+        log.info("fp8: %d nn.Linear layer(s) converted (%s recipe)", len(converted), self.recipe)
+        return model
+
+    def check_compile(self, mode: str | None, device_type: str) -> None:
+        if mode is None and device_type == "cuda":
+            warnings.warn("fp8 without torch.compile is known to be slower than bf16 (torchao's casts run "
+                          "eagerly); pass compile=True", UserWarning, stacklevel=5)
+
+
 # The one precision table: canonical name -> factory, then every accepted spelling.
 PRECISIONS: dict[str, Callable[[], PrecisionPolicy]] = {
     "fp32": lambda: FP32Policy(tf32=False),
     "tf32": lambda: FP32Policy(tf32=True),
     "bf16": BF16Policy,
     "fp16": FP16Policy,
+    "fp8": FP8Policy,
 }
 _ALIASES = {
     "float32": "fp32", "32": "fp32", "32-true": "fp32", "full": "fp32",
     "bfloat16": "bf16", "bf16-mixed": "bf16",
     "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16",
+    "float8": "fp8", "8": "fp8",
 }
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -136,6 +136,7 @@ class Trainer:
         self._input_format = torch.contiguous_format
         guard = policy.make_guard(self.device.type)
         if prepare:
+            policy.check_compile(mode, self.device.type)
             _check_master_weights(self.model, policy)
             self.model, self._input_format = prepare_model(self.model, policy, mode, self.distributed, self.device,
                                                            self.optimizer)

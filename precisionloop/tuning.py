@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from . import checkpoint, measure
+from . import checkpoint, fp8, fp8_tuning, measure
 from .engine import StepEngine, compile_mode, prepare_model, to_device
-from .policy import PrecisionPolicy, _as_device, get_policy
+from .policy import FP8Policy, PrecisionPolicy, _as_device, get_policy
 
 __all__ = ["autotune", "Candidate", "AutotuneResult", "CandidateResult", "default_candidates"]
 
@@ -33,15 +33,18 @@ class Candidate:
     precision: str
     channels_last: bool | None = None
     compile: bool | str = False
+    options: tuple = ()
+    """(field, value) pairs set on the policy, e.g. ``(("layers", ("blocks.0.fc1",)),)`` for FP8Policy."""
 
     def policy(self, device: torch.device) -> PrecisionPolicy:
-        return dataclasses.replace(get_policy(self.precision, device), channels_last=self.channels_last)
+        return dataclasses.replace(get_policy(self.precision, device), channels_last=self.channels_last, **dict(self.options))
 
     @property
     def label(self) -> str:
         layout = {None: "", True: " +channels_last", False: " NCHW"}[self.channels_last]
         compiled = "" if not self.compile else f" +compile({'auto' if self.compile is True else self.compile})"
-        return f"{self.precision}{layout}{compiled}"
+        options = "".join(f" {k}={len(v) if isinstance(v, tuple) else v}" for k, v in self.options)
+        return f"{self.precision}{options}{layout}{compiled}"
 
     def complexity(self, model: nn.Module, device: torch.device) -> tuple[int, int]:
         """(compiled, not the policy's default layout): the tie rule prefers the smaller."""
@@ -99,13 +102,27 @@ class AutotuneResult:
 def default_candidates(model: nn.Module, device: str | torch.device | None = None, *, compile: bool = False) -> list[Candidate]:
     """fp32, tf32, bf16 and fp16; with and without channels_last for conv models; compiled too if asked.
 
-    On the CPU, tf32 (the same as fp32 there) and fp16 (very slow there) are left out.
+    On the CPU, tf32 (the same as fp32 there) and fp16 (very slow there) are left out. Where fp8
+    matmuls exist (CUDA compute capability 8.9+, torchao installed), a compiled fp8 candidate
+    is added; :func:`autotune` then also measures which layers gain from fp8.
     """
     device = _as_device(device)
     precisions = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
     layouts: list[bool | None] = [True, False] if any(isinstance(m, nn.Conv2d) for m in model.modules()) else [None]
     compiles: list[bool | str] = [False, True] if compile else [False]
-    return [Candidate(p, layout, c) for p in precisions for layout in layouts for c in compiles]
+    candidates = [Candidate(p, layout, c) for p in precisions for layout in layouts for c in compiles]
+    if _fp8_available(device):  # fp8 only compiled: eager, torchao's casts make it slower than bf16
+        candidates.append(Candidate("fp8", compile=True))
+    return candidates
+
+
+def _fp8_available(device: torch.device) -> bool:
+    try:
+        fp8.require_torchao()
+        fp8.check_device(device, emulate=False)
+    except ValueError:
+        return False
+    return True
 
 
 def autotune(
@@ -169,6 +186,9 @@ def autotune(
     if not candidates:
         raise ValueError("no candidates to try")
     loss_for = loss_for or _plain_loss(loss_fn or nn.functional.cross_entropy)
+    candidates = _with_fp8_layers(candidates, model, sample_batch, loss_for, device, steps, warmup, rounds, verbose)
+    if not candidates:
+        raise RuntimeError("autotune: no candidate left to try (fp8 was declined; see above)")
     reference = Candidate("fp32", channels_last=False)
     runs = [reference] + [c for c in candidates if c != reference]
     trials = {c: _Trial(c, model, optimizer_factory, sample_batch, device, loss_for) for c in runs}
@@ -189,6 +209,33 @@ def autotune(
     if verbose:
         print(outcome)
     return outcome
+
+
+def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, loss_for, device: torch.device,
+                     steps: int, warmup: int, rounds: int, verbose: bool) -> list[Candidate]:
+    """fp8 candidates made concrete: whole-model fp8 if any layer can convert, and the layers measured to gain."""
+    out = []
+    for c in candidates:
+        policy = c.policy(device)
+        if not isinstance(policy, FP8Policy) or policy.layers is not None:
+            out.append(c)
+            continue
+        say = print if verbose else log.info
+        if not fp8.default_layers(model):
+            say(f"autotune: {c.label} declined: no nn.Linear layer fp8 can take besides the first and the last")
+            continue
+        out.append(c)  # whole-model fp8
+        trial = copy.deepcopy(model).to(device)
+        choice = fp8_tuning.choose_fp8_layers(trial, to_device(batch, device, torch.contiguous_format),
+                                              lambda m, b: loss_for(m)(b), device, recipe=policy.recipe,
+                                              emulate=policy.emulate or None, iters=steps, warmup=warmup,
+                                              rounds=max(rounds, 2))
+        say(f"autotune: fp8 per layer, {c.label}:\n{choice}")
+        if choice.layers:
+            out.append(dataclasses.replace(c, options=(*c.options, ("layers", choice.layers))))
+        else:
+            say("autotune: fp8 per layer declined: no layer is faster in fp8 beyond the measured spread")
+    return out
 
 
 def _plain_loss(loss_fn: Callable) -> Callable[[nn.Module], Callable[[Any], torch.Tensor]]:

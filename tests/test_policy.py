@@ -43,13 +43,13 @@ def test_instance_passes_through():
     assert get_policy(policy) is policy
 
 
-@pytest.mark.parametrize("bad", ["fp8", "bf16-true", "int8", "", 64, True, None, 3.5, torch.float64])
+@pytest.mark.parametrize("bad", ["fp4", "bf16-true", "int8", "", 64, True, None, 3.5, torch.float64])
 def test_unknown_precision_names_value_and_options(bad):
     with pytest.raises(ValueError) as info:
         get_policy(bad)
     message = str(info.value)
     assert repr(bad) in message
-    for valid in ("fp32", "tf32", "bf16", "fp16", "auto"):
+    for valid in ("fp32", "tf32", "bf16", "fp16", "fp8", "auto"):
         assert valid in message
 
 

@@ -238,8 +238,8 @@ def test_bad_input_at_construction():
     half = tiny_mlp().half()
     with pytest.raises(ValueError, match=r"0.weight \(torch.float16\).*model.float\(\)"):
         Trainer(half, torch.optim.SGD(half.parameters(), lr=0.1), device="cpu")
-    with pytest.raises(ValueError, match="'fp8'"):
-        Trainer(model, opt, "fp8", device="cpu")
+    with pytest.raises(ValueError, match="'fp4'"):
+        Trainer(model, opt, "fp4", device="cpu")
     for kwargs, key in [(dict(grad_accum_steps=0), "grad_accum_steps"), (dict(grad_accum_steps=1.5), "grad_accum_steps"),
                         (dict(max_consecutive_skips=0), "max_consecutive_skips"), (dict(max_grad_norm=-1.0), "max_grad_norm"),
                         (dict(device="tpu9"), "device")]:

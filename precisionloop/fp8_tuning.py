@@ -1,0 +1,365 @@
+"""Choose which ``nn.Linear`` layers to train in fp8, by timing each one at the shape it really sees.
+
+Whether fp8 pays depends on the shape of the matmul: large layers gain, small ones lose to the
+cost of casting and scaling. :func:`choose_fp8_layers` records the input shape of every Linear
+on one real batch (:func:`linear_shapes`), times each eligible layer's forward and backward in
+bf16 and in fp8 (:func:`time_linear`, through :func:`precisionloop.measure.interleaved`), and
+keeps the layers whose fp8 rounds are all faster than every bf16 round. Layers of the same shape
+are timed once. The result's :meth:`Fp8Choice.module_filter_fn` is the ``module_filter_fn`` of
+``torchao.float8.convert_to_float8_training``.
+
+This module depends on torch, the standard library and :mod:`precisionloop.measure`; torchao is
+imported only when fp8 is actually used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+from torch import nn
+
+from . import fp8, measure
+from .fp8 import ALIGNMENT, eligible
+
+__all__ = ["LinearShape", "LayerTiming", "Fp8Choice", "linear_shapes", "eligible", "time_linear", "choose_fp8_layers"]
+
+log = logging.getLogger(__name__)
+
+
+class LinearShape(NamedTuple):
+    """What one Linear saw on the sample batch.
+
+    ``token_counts`` has one entry per call (the input flattened to (tokens, in_features)); ``dtype``
+    is the input's dtype at the first call, under autocast (fp32 after a LayerNorm, bf16 after a matmul).
+    """
+
+    token_counts: tuple[int, ...]
+    in_features: int
+    out_features: int
+    dtype: torch.dtype
+    bias: bool
+
+    @property
+    def tokens(self) -> int:
+        """The largest token count of any call: the shape the layer is timed at."""
+        return max(self.token_counts)
+
+    @property
+    def calls(self) -> int:
+        return len(self.token_counts)
+
+    @property
+    def timing_key(self) -> tuple:
+        """Layers with equal keys run the same matmuls, so one timing serves them all."""
+        return self.tokens, self.in_features, self.out_features, self.dtype, self.bias
+
+    def __str__(self) -> str:
+        calls = f" (x{self.calls} calls)" if self.calls > 1 else ""
+        return f"{self.tokens} x {self.in_features} -> {self.out_features}{calls}"
+
+
+def _fp8_config(recipe: str, emulate: bool):
+    """The torchao Float8LinearConfig of ``recipe``, emulated (plain bf16/fp32 matmuls, any device) if asked."""
+    float8 = fp8.require_torchao()
+    names = [r.value for r in float8.Float8LinearRecipeName]
+    if recipe not in names:  # torchao asserts instead, which ``python -O`` would skip
+        raise ValueError(f"unknown fp8 recipe {recipe!r}; torchao knows {names}")
+    return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    tensor = next(model.parameters(), None)
+    if tensor is None:
+        tensor = next(model.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on ``device`` where autocast exists there, as the rest of the model will run."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _first_input(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs.get("input")
+
+
+def linear_shapes(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module, Any], Any]) -> dict[str, LinearShape]:
+    """Run ``run(model, sample_batch)`` once and record the input shape every nn.Linear really saw.
+
+    The forward runs under ``torch.no_grad()`` and bf16 autocast for the model's device type, as
+    training under an fp8 policy would. BatchNorm-style buffers and the RNG are restored
+    afterwards, so the capture leaves the model and the caller's random stream as they were.
+
+    Args:
+        model: the model, on its device.
+        sample_batch: one real batch, on the model's device.
+        run: calls the model on a batch, e.g. ``lambda m, b: m(b[0])``.
+
+    Returns:
+        fully qualified name -> :class:`LinearShape` (a tuple), in the order of first call; the root
+        module, if it is a Linear, is named "". Layers never called are absent.
+    """
+    seen: dict[str, list] = {}
+
+    def hook_for(name: str):
+        def hook(module, args, kwargs, output):
+            x = _first_input(args, kwargs)
+            if isinstance(x, torch.Tensor) and x.dim() >= 1:
+                entry = seen.setdefault(name, [[], module.in_features, module.out_features, x.dtype,
+                                               module.bias is not None])
+                entry[0].append(x.numel() // max(x.shape[-1], 1))
+        return hook
+
+    device = _model_device(model)
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}
+    handles = [m.register_forward_hook(hook_for(name), with_kwargs=True)
+               for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), _autocast(device):
+            run(model, sample_batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
+    return {name: LinearShape(tuple(counts), *rest) for name, (counts, *rest) in seen.items()}
+
+
+def _layer_factory(source: nn.Linear, tokens: int, dtype: torch.dtype, device: torch.device,
+                   convert: Callable[[nn.Module], nn.Module], context: Callable[[], contextlib.AbstractContextManager]):
+    """A factory for measure.interleaved: a fresh copy of ``source`` each round, stepping forward + backward."""
+    def build() -> measure.Run:
+        layer = convert(copy.deepcopy(source))
+        # A private generator: the same inputs in every round and system, and the caller's RNG untouched.
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(tokens, source.in_features, device=device, dtype=dtype, generator=gen).requires_grad_()
+        grad = []
+
+        def step() -> None:
+            y = layer(x)
+            if not grad:  # a random output gradient, as a loss would give, shaped and typed after the output
+                grad.append(torch.randn(y.shape, device=device, dtype=y.dtype, generator=gen))
+            y.backward(grad[0])
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+
+        return measure.Run(step, context=context())
+    return build
+
+
+def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, recipe: str = "tensorwise",
+                emulate: bool | None = None, iters: int = 20, warmup: int = 5, rounds: int = 3,
+                compile: bool | None = None, dtype: torch.dtype | None = None,
+                timer: Callable[[], float] | None = None) -> tuple[measure.Measurement, measure.Measurement]:
+    """Time one Linear's forward + backward at ``tokens`` rows, in bf16 and in fp8, in interleaved rounds.
+
+    Each round builds fresh copies of ``linear`` (weights as they are, so fp32 master weights stay
+    fp32): one run as is, one converted with ``convert_to_float8_training``; both step under bf16
+    autocast on random inputs that require grad, with a random output gradient, and zero their
+    gradients after every step. ``linear`` itself is not touched.
+
+    Args:
+        linear: the layer to time.
+        tokens: rows of its flattened input, e.g. batch * sequence length.
+        device: where to time it.
+        recipe: the torchao recipe: "tensorwise", "rowwise", ...
+        emulate: emulated fp8 matmuls; None means emulate off CUDA and use real fp8 on CUDA.
+        iters: timed steps per round and system.
+        warmup: untimed steps first (they include the compile, when compiled).
+        rounds: interleaved rounds.
+        compile: ``torch.compile`` the fp8 copy (torchao's casts are only fast fused); None means on CUDA.
+        dtype: the input dtype the layer sees (see :class:`LinearShape`); its weight's dtype if None.
+        timer: a clock for :func:`measure.time_steps` off CUDA; for tests.
+
+    Returns:
+        (bf16, fp8) :class:`measure.Measurement` s; a failing system has ``error`` set and no rounds.
+
+    Raises:
+        ValueError: torchao is missing, the recipe is unknown, or bad counts (see :func:`measure.interleaved`).
+    """
+    device = torch.device(device)
+    emulate = device.type != "cuda" if emulate is None else emulate
+    compile = device.type == "cuda" if compile is None else compile
+    config = _fp8_config(recipe, emulate)
+    convert_fp8 = fp8.require_torchao().convert_to_float8_training
+    source = copy.deepcopy(linear).to(device)
+    dtype = dtype or source.weight.dtype
+
+    def to_fp8(layer: nn.Module) -> nn.Module:
+        layer = convert_fp8(layer, config=config)
+        # dynamic=False: one static graph per shape (fresh copies of one shape reuse it), never a
+        # dynamic graph that a second shape would otherwise force on every later layer.
+        return torch.compile(layer, dynamic=False) if compile else layer
+
+    def fp8_context() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        stack.enter_context(_autocast(device))
+        if compile:  # every distinct shape is a recompile; past the default limit of 8 dynamo falls back to eager
+            limit = max(torch._dynamo.config.recompile_limit, 256)
+            stack.enter_context(torch._dynamo.config.patch(recompile_limit=limit))
+        return stack
+
+    systems = {"bf16": _layer_factory(source, tokens, dtype, device, lambda m: m, lambda: _autocast(device)),
+               "fp8": _layer_factory(source, tokens, dtype, device, to_fp8, fp8_context)}
+    results = measure.interleaved(systems, rounds=rounds, iters=iters, warmup=warmup, device=device, timer=timer)
+    for m in results.values():
+        m.settings.update(recipe=recipe, emulate=emulate, compile=compile, tokens=tokens)
+    return results["bf16"], results["fp8"]
+
+
+@dataclasses.dataclass
+class LayerTiming:
+    """One Linear's row of the table: its shape, both timings, and the verdict."""
+
+    name: str
+    shape: LinearShape | None
+    bf16: measure.Measurement | None = None
+    fp8: measure.Measurement | None = None
+    chosen: bool = False
+    verdict: str = ""
+    same_as: str | None = None
+
+    @property
+    def ratio(self) -> tuple[float, float, float] | None:
+        """fp8 / bf16 time, (median, min, max) over rounds paired in time; None without both timings."""
+        try:
+            return measure.paired_ratio(self.fp8, self.bf16) if self.bf16 is not None and self.fp8 is not None else None
+        except ValueError:  # one side failed or lost rounds
+            return None
+
+    @property
+    def saved_ms(self) -> float:
+        """Median time saved per training step (all calls of the layer) if chosen, else 0."""
+        if not self.chosen:
+            return 0.0
+        return (self.bf16.median_ms - self.fp8.median_ms) * self.shape.calls
+
+
+def _name(name: str) -> str:
+    return name or "<root>"
+
+
+@dataclasses.dataclass
+class Fp8Choice:
+    """The layers to convert to fp8, and the table they were chosen from."""
+
+    layers: tuple[str, ...]
+    table: list[LayerTiming]
+    recipe: str
+    emulate: bool = False
+
+    def module_filter_fn(self, module: nn.Module, fqn: str) -> bool:
+        """For ``convert_to_float8_training(model, module_filter_fn=choice.module_filter_fn)``, on the same model."""
+        return fqn in self.layers
+
+    @property
+    def saved_ms(self) -> float:
+        return sum(t.saved_ms for t in self.table)
+
+    def __str__(self) -> str:
+        rows = [("layer", "shape (tokens x in -> out)", "bf16 ms [min-max]", "fp8 ms [min-max]", "fp8/bf16", "verdict")]
+        for t in self.table:
+            ms = [measure.format_time(m) if m is not None and m.rounds_ms else "-" for m in (t.bf16, t.fp8)]
+            ratio = measure.format_ratio(t.ratio) if t.ratio else "-"
+            same = f" (same shape as {_name(t.same_as)})" if t.same_as is not None else ""
+            rows.append((_name(t.name), str(t.shape) if t.shape else "-", *ms, ratio, t.verdict + same))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
+        mode = "emulated fp8: these times say nothing about fp8 speed on a GPU" if self.emulate else "real fp8"
+        lines.append(f"fp8 ({self.recipe}, {mode}) for {len(self.layers)} of {len(self.table)} Linear layers; "
+                     f"summed per-layer time saved: {self.saved_ms:.3f} ms per step (forward + backward, medians)")
+        legend = measure.noisy_legend(m for t in self.table for m in (t.bf16, t.fp8) if m is not None)
+        return "\n".join(lines + ([legend] if legend else []))
+
+
+def _verdict(bf16: measure.Measurement, fp8: measure.Measurement, margin: float) -> tuple[bool, str]:
+    """(chosen, verdict): fp8 wins only when its slowest round beats bf16's fastest, by ``margin`` more."""
+    for label, m in (("bf16", bf16), ("fp8", fp8)):
+        if m.error is not None:
+            return False, f"skipped: {label} failed: {m.error.splitlines()[0][:100]}"
+        if not m.rounds_ms:
+            return False, f"skipped: {label} has no rounds"
+    if fp8.max_ms < bf16.min_ms * (1 - margin):
+        return True, "fp8"
+    if fp8.median_ms >= bf16.median_ms:
+        return False, "bf16: fp8 is not faster"
+    extra = f" and the {margin:.0%} margin" if margin else ""
+    return False, f"bf16: not faster beyond the spread{extra}"
+
+
+def choose_fp8_layers(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module, Any], Any],
+                      device: str | torch.device, *, recipe: str = "tensorwise", emulate: bool | None = None,
+                      iters: int = 20, warmup: int = 5, rounds: int = 3, margin: float = 0.0,
+                      compile: bool | None = None, verbose: bool = False) -> Fp8Choice:
+    """Time every Linear of ``model`` at its real shape in bf16 and fp8 and choose those fp8 clearly speeds up.
+
+    A layer is chosen when every fp8 round is faster than every bf16 round (``fp8.max_ms <
+    bf16.min_ms * (1 - margin)``): separated beyond the measured spread. Layers of the same
+    shape, dtype and bias (a transformer's blocks) are timed once and share the verdict. Layers
+    that are not called on ``sample_batch``, or that fp8 cannot run (:func:`eligible`), are listed
+    as skipped. ``model`` is not changed.
+
+    Args:
+        model: the model, on its device.
+        sample_batch: one real batch, on the model's device.
+        run: calls the model on a batch, e.g. ``lambda m, b: m(b[0])``.
+        device: where to time the layers (where training will run).
+        recipe: the torchao recipe: "tensorwise", "rowwise", ...
+        emulate: emulated fp8; None means emulate off CUDA, real fp8 on CUDA.
+        iters: timed steps per round, layer and system.
+        warmup: untimed steps first.
+        rounds: interleaved rounds; at least 2 for a spread worth the name.
+        margin: how much faster than bf16's fastest round fp8's slowest must be, as a fraction.
+        compile: compile the fp8 copies; None means on CUDA (see :func:`time_linear`).
+        verbose: print the table.
+
+    Returns:
+        an :class:`Fp8Choice`.
+
+    Raises:
+        ValueError: torchao is missing, the recipe is unknown, or bad counts or margin.
+    """
+    device = torch.device(device)
+    emulate = device.type != "cuda" if emulate is None else emulate
+    if rounds < 1 or iters < 1 or warmup < 0 or not 0 <= margin < 1:
+        raise ValueError(f"need rounds >= 1, iters >= 1, warmup >= 0 and 0 <= margin < 1; "
+                         f"got {rounds}, {iters}, {warmup}, {margin}")
+    _fp8_config(recipe, emulate)  # fail before the capture, not after it
+    shapes = linear_shapes(model, sample_batch, run)
+    timing = dict(recipe=recipe, emulate=emulate, iters=iters, warmup=warmup, rounds=rounds, compile=compile)
+    timed: dict[tuple, LayerTiming] = {}
+    table = [_time_layer(name, module, shapes.get(name), device, timing, timed, margin)
+             for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    choice = Fp8Choice(tuple(t.name for t in table if t.chosen), table, recipe, emulate)
+    log.info("fp8 chosen for %d of %d Linear layers", len(choice.layers), len(table))
+    if verbose:
+        print(choice)
+    return choice
+
+
+def _time_layer(name: str, module: nn.Linear, shape: LinearShape | None, device: torch.device, timing: dict,
+                timed: dict[tuple, LayerTiming], margin: float) -> LayerTiming:
+    """One layer's row: skipped, reused from an identical layer timed before, or timed now."""
+    if shape is None:
+        return LayerTiming(name, None, verdict="skipped: not called on the sample batch")
+    reason = eligible(name, module, shape.token_counts)
+    if reason is not None:
+        return LayerTiming(name, shape, verdict=f"skipped: {reason}")
+    key = shape.timing_key + (module.weight.dtype,)
+    first = timed.get(key)
+    if first is not None:
+        return dataclasses.replace(first, name=name, shape=shape, same_as=first.name)
+    bf16, fp8 = time_linear(module, shape.tokens, device, dtype=shape.dtype, **timing)
+    chosen, verdict = _verdict(bf16, fp8, margin)
+    timed[key] = row = LayerTiming(name, shape, bf16, fp8, chosen, verdict)
+    return row

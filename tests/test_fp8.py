@@ -1,0 +1,160 @@
+"""FP8Policy through torchao, on the CPU with torchao's emulation (the real kernels need CUDA compute capability 8.9+)."""
+
+import builtins
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from precisionloop import BF16Policy, FP8Policy, Trainer, get_policy
+from precisionloop import fp8 as fp8_module
+from precisionloop.fp32_modules import is_kept
+
+pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'precisionloop[fp8]')")
+from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
+                         nn.Linear(32, 30), nn.ReLU(), nn.Linear(30, 4))
+
+
+def data(n=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 24, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
+
+
+def test_fp8_is_in_the_one_table():
+    for spec in ("fp8", "FP8", "float8"):
+        assert isinstance(get_policy(spec), FP8Policy)
+    policy = FP8Policy(recipe="rowwise", layers=("4", "2"))
+    assert policy.layers == ("2", "4") and policy.compute_dtype == torch.bfloat16 and policy.make_scaler("cpu") is None
+    assert hash(policy) == hash(FP8Policy(recipe="rowwise", layers=("2", "4"))) and "rowwise" in repr(policy)
+    with pytest.raises(ValueError, match="recipe.*tensorwise"):
+        FP8Policy(recipe="fastest")
+    with pytest.raises(ValueError, match="layers"):
+        FP8Policy(layers="2")
+
+
+def test_default_layers_skip_first_last_and_odd_shapes():
+    converted = Trainer(model := mlp(), torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True), device="cpu")
+    kinds = {name: type(m).__name__ for name, m in converted.model.named_modules() if isinstance(m, nn.Linear)}
+    # first (0) and last (8) skipped; 6 is 32 -> 30, not a multiple of 16
+    assert kinds == {"0": "Linear", "2": "Float8Linear", "4": "Float8Linear", "6": "Linear", "8": "Linear"}
+
+
+def test_fp8_step_trains_and_keeps_linear_state_dict_keys():
+    model = mlp()
+    keys = list(model.state_dict())
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), FP8Policy(emulate=True), device="cpu")
+    losses = [trainer.step(b).loss for b in data(6) for _ in range(2)]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    assert list(trainer.model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("saved, loaded", [("fp8", "bf16"), ("bf16", "fp8"), ("fp8", "fp32")])
+def test_checkpoints_move_between_fp8_and_other_precisions(tmp_path, saved, loaded):
+    policies = {"fp8": FP8Policy(emulate=True), "bf16": BF16Policy(), "fp32": "fp32"}
+    model = mlp()
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), policies[saved], device="cpu")
+    for b in data(2):
+        trainer.step(b)
+    trainer.save(tmp_path / "c.pt")
+    other = mlp(seed=5)
+    resumed = Trainer(other, torch.optim.AdamW(other.parameters(), lr=1e-2), policies[loaded], device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.load(tmp_path / "c.pt")
+    assert any("precision" in str(w.message) for w in caught)
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.state_dict().values(), resumed.model.state_dict().values()))
+    assert resumed.global_step == 2 and resumed.step(data(3)[2]).stepped
+
+
+def test_kept_modules_are_not_converted():
+    model = mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, keep_fp32=("2",)),
+                      device="cpu")
+    modules = dict(trainer.model.named_modules())
+    assert type(modules["2"]) is nn.Linear and is_kept(modules["2"]) and isinstance(modules["4"], Float8Linear)
+
+
+def test_named_layers_are_checked():
+    model = mlp()
+    with pytest.raises(ValueError, match=r"'6'.*in_features|out_features 30"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("6",)), device="cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="'1'.*not an nn.Linear"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("1", "2")), device="cpu")
+    assert all(type(m) is not Float8Linear for m in model.modules())  # refused before anything was converted
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_no_fp8_matmuls_on_the_cpu_without_emulation():
+    model = mlp()
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8", device="cpu")
+    assert all(type(m) is not Float8Linear for m in model.modules())
+
+
+def test_old_cuda_gpus_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A100")
+    with pytest.raises(ValueError, match="A100 has 8.0"):
+        fp8_module.check_device(torch.device("cuda", 0), emulate=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fp8_module.check_device(torch.device("cuda", 0), emulate=False)
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name.startswith("torchao"):
+            raise ImportError("No module named 'torchao'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    model = mlp()
+    with pytest.raises(ValueError, match=r'torchao.*pip install "precisionloop\[fp8\]"'):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True), device="cpu")
+
+
+def test_uncompiled_fp8_on_cuda_says_so():
+    with pytest.warns(UserWarning, match="compile=True"):
+        FP8Policy().check_compile(None, "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FP8Policy().check_compile("reduce-overhead", "cuda")
+        FP8Policy().check_compile(None, "cpu")
+        BF16Policy().check_compile(None, "cuda")
+
+
+def test_autotune_measures_fp8_per_layer(capsys):
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    candidates = [Candidate("bf16"), Candidate("fp8", options=(("emulate", True),))]
+    result = autotune(mlp(), lambda p: torch.optim.SGD(p, lr=0.01), data(1)[0], candidates, device="cpu", steps=2,
+                      warmup=1, rounds=2, tolerance=1.0)
+    out = capsys.readouterr().out
+    assert "fp8 per layer" in out and "emulated fp8" in out  # the per-layer table, labelled as emulated
+    labels = [r.candidate.label for r in result.results]
+    assert "fp8 emulate=True" in labels  # whole-model fp8 is a candidate too
+    per_layer = [r for r in result.results if "layers=" in r.candidate.label]
+    assert ("fp8 per layer declined" in out) != bool(per_layer)
+
+
+def test_autotune_declines_fp8_without_convertible_layers(capsys):
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))  # one Linear
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,)))
+    result = autotune(model, lambda p: torch.optim.SGD(p, lr=0.01), batch,
+                      [Candidate("bf16"), Candidate("fp8", options=(("emulate", True),))], device="cpu", steps=2, warmup=1,
+                      rounds=2)
+    assert "declined: no nn.Linear layer fp8 can take" in capsys.readouterr().out
+    assert all(r.candidate.precision != "fp8" for r in result.results)
