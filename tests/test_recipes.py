@@ -32,7 +32,7 @@ def test_benchmark_recipe_times_the_trainer_step(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--precisions", "fp8"], "fp8"),
+    (["--precisions", "fp4"], "fp4"),
     (["--batch-sizes", "0"], "--batch-sizes"),
     (["--batch-sizes", "a,b"], "--batch-sizes"),
     (["--iters", "0"], "--iters"),
@@ -44,6 +44,116 @@ def test_benchmark_recipe_rejects_bad_flags(argv, message, capsys):
     assert info.value.code != 0
     err = capsys.readouterr().err + str(info.value.code)
     assert message in err
+
+
+
+TINY_TRANSFORMER = ["--model", "transformer", "--device", "cpu", "--layers", "1", "--d-model", "32", "--d-ff", "64",
+                    "--heads", "2", "--seq-len", "8", "--vocab", "64", "--batch-sizes", "2"]
+
+
+def test_benchmark_recipe_times_a_transformer(tmp_path, capsys):
+    import math
+
+    out = tmp_path / "bench.json"
+    resnet18_bench.main([*TINY_TRANSFORMER, "--rounds", "1", "--iters", "2", "--warmup", "1",
+                         "--precisions", "fp32,bf16", "--image-size", "64", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "precisionloop benchmark: transformer" in text and "1 layers, d_model 32, d_ff 64, 2 heads" in text
+    assert "--image-size is ignored for --model transformer" in text and "tiny Transformer by default" in text
+    data = json.loads(out.read_text())["results"]
+    got = {(r["system"], r["precision"], r["batch_size"]) for r in data}
+    assert got == {(s, p, 2) for s in ("precisionloop", "hand") for p in ("fp32", "bf16")}
+    for r in data:
+        assert r["error"] is None and len(r["rounds_ms"]) == 1 and all(math.isfinite(t) and t > 0 for t in r["rounds_ms"])
+        assert math.isfinite(r["median_ms"]) and r["skipped"] == 0
+        s = r["settings"]
+        assert (s["model"], s["layers"], s["d_model"], s["d_ff"], s["heads"], s["seq_len"], s["vocab"]) == (
+            "transformer", 1, 32, 64, 2, 8, 64)
+        assert s["image_size"] is None and s["channels_last"] is None and s["optimizer"] == "sgd"
+
+
+def test_benchmark_recipe_transformer_cpu_defaults_are_tiny_and_reference_on_cuda(monkeypatch):
+    from precisionloop.recipes import models
+
+    args = resnet18_bench.parse_args(["--model", "transformer", "--device", "cpu"])
+    assert {k: getattr(args, k) for k in models.TINY} == models.TINY and args.batch_sizes == [4]
+    assert args.image_size is None and args.precisions == ["fp32", "tf32", "bf16"]
+    monkeypatch.setattr(resnet18_bench, "_parse_device", lambda p, text: __import__("torch").device("cuda", 0))
+    args = resnet18_bench.parse_args(["--model", "transformer"])
+    assert {k: getattr(args, k) for k in models.REFERENCE} == models.REFERENCE and args.batch_sizes == [8]
+    assert resnet18_bench.parse_args(["--device", "cpu", "--layers", "3"]).notes[0].startswith("--layers only apply")
+
+
+def test_benchmark_recipe_transformer_trains_with_the_same_loss_in_both_systems():
+    import torch
+
+    from precisionloop import Trainer
+    from precisionloop.recipes import models
+
+    args = resnet18_bench.parse_args([*TINY_TRANSFORMER, "--optimizer", "adamw"])
+    batch = resnet18_bench.make_batch(args, 2, args.device)
+    assert batch[0].shape == batch[1].shape == (2, 8) and torch.equal(batch[0][:, 1:], batch[1][:, :-1])
+    losses = {}
+    for system in ("trainer", "hand"):
+        torch.manual_seed(0)
+        model = resnet18_bench.make_model(args)
+        policy = resnet18_bench.policy_for("fp32", args)
+        if system == "trainer":
+            trainer = Trainer(model, resnet18_bench.make_optimizer(model.parameters(), False, "adamw"), policy,
+                              device="cpu", loss_fn=resnet18_bench.loss_of(args))
+            step = lambda: trainer.step(batch)  # noqa: E731
+        else:
+            step = resnet18_bench.hand_loop_step(model, batch, policy, args.device, False,
+                                                 loss_fn=resnet18_bench.loss_of(args), optimizer="adamw")
+        for _ in range(3):
+            step()
+        losses[system] = models.lm_loss(model(batch[0]), batch[1]).item()
+    assert losses["trainer"] == pytest.approx(losses["hand"], rel=1e-4)
+
+
+def test_transformer_stack_shapes_and_linear_sizes():
+    import torch
+    from torch import nn
+
+    from precisionloop.recipes.models import TransformerStack, random_tokens
+
+    model = TransformerStack(layers=3, d_model=48, d_ff=96, heads=4, vocab=50, seq_len=16)
+    inputs, targets = random_tokens(5, 16, 50, "cpu")
+    assert inputs.shape == targets.shape == (5, 16) and int(inputs.max()) < 50
+    assert model(inputs).shape == (5, 16, 50) and model(inputs[:, :7]).shape == (5, 7, 50)
+    linears = {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert len(linears) == 3 * 6 + 1 and type(model.head) is nn.Linear
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))  # nothing fp8 would skip
+    for i in range(3):
+        for proj in ("q", "k", "v", "out"):
+            assert linears[f"blocks.{i}.attn.{proj}"] == (48, 48)
+        assert linears[f"blocks.{i}.mlp.0"] == (48, 96) and linears[f"blocks.{i}.mlp.2"] == (96, 48)
+    assert linears["head"] == (48, 50)
+    assert not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    causal = model(inputs)[:, :4]
+    changed = inputs.clone()
+    changed[:, 4:] = (changed[:, 4:] + 1) % 50
+    assert torch.allclose(model(changed)[:, :4], causal, atol=1e-5)  # a position sees no later token
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="divisible"):
+        TransformerStack(layers=1, d_model=30, d_ff=8, heads=4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "0"], "--layers must be >= 1"),
+    (["--d-model", "30", "--heads", "4"], "--d-model (30) must be divisible by --heads (4)"),
+    (["--heads", "0"], "--heads must be >= 1"),
+    (["--vocab", "1"], "--vocab must be >= 2"),
+    (["--seq-len", "-3"], "--seq-len must be >= 1"),
+    (["--d-ff", "x"], "--d-ff: invalid int value"),
+    (["--optimizer", "lamb"], "--optimizer: invalid choice"),
+])
+def test_benchmark_recipe_rejects_bad_transformer_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        resnet18_bench.main(["--device", "cpu", "--model", "transformer", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def _load_script(name):

@@ -1,10 +1,14 @@
-"""Time training steps of a torchvision model under each precision policy, with peak memory.
+"""Time training steps of a torchvision model or a Transformer stack under each precision policy, with peak memory.
 
 Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. The Trainer's own
 ``step`` is what is timed; a hand-written torch.amp loop with identical settings runs beside it
 in the same process, and the ratio of the two is the wrapper's cost. Each configuration is timed
 in several interleaved rounds (``precisionloop.measure.interleaved``), a fresh model and optimizer
 each round, and reported as the median over rounds with the rounds' min-max spread.
+
+``--model transformer`` times a Linear-heavy decoder stack (``precisionloop.recipes.models``) on
+random tokens instead of a torchvision model on random images: on CUDA by default the reference
+4 layers of d_model 2048 and d_ff 8192 on 8 x 1024 tokens, on the CPU a tiny one.
 """
 
 from __future__ import annotations
@@ -24,14 +28,18 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop._compat import compile_modes
-from precisionloop import Trainer, autotune, get_policy
+from precisionloop import FP8Policy, Trainer, autotune, get_policy
 from precisionloop.tuning import default_candidates
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
                                    noisy_legend, paired_ratio)
 from precisionloop.policy import PrecisionPolicy
+from precisionloop.recipes import models
 
 ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 BASELINE = "tf32"
+TRANSFORMER = "transformer"
+TRANSFORMER_SIZES = ("layers", "d_model", "d_ff", "heads", "seq_len", "vocab")  # flags --layers, --d-model, ...
+OPTIMIZERS = {"sgd": "SGD momentum 0.9", "adamw": "AdamW"}
 
 
 @dataclasses.dataclass
@@ -96,15 +104,38 @@ def build_model(name: str) -> nn.Module:
     return torchvision.models.get_model(name, weights=None)
 
 
-def make_optimizer(params, fused: bool) -> torch.optim.Optimizer:
-    """SGD with momentum 0.9, the same for every system timed."""
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9, **({"fused": True} if fused else {}))
+def make_model(args: argparse.Namespace) -> nn.Module:
+    """The model ``args`` name: the Transformer stack at its sizes, or a torchvision model."""
+    if args.model == TRANSFORMER:
+        return models.TransformerStack(**{k: getattr(args, k) for k in TRANSFORMER_SIZES})
+    return build_model(args.model)
+
+
+def make_batch(args: argparse.Namespace, batch_size: int, device: torch.device):
+    """A random ``(inputs, targets)`` batch for the model: token ids for the Transformer, else images."""
+    if args.model == TRANSFORMER:
+        return models.random_tokens(batch_size, args.seq_len, args.vocab, device)
+    return random_batch(batch_size, args.image_size, device)
+
+
+def loss_of(args: argparse.Namespace) -> Callable:
+    """The loss every system uses: next-token cross entropy over (batch * seq, vocab) for the Transformer."""
+    return models.lm_loss if args.model == TRANSFORMER else nn.functional.cross_entropy
+
+
+def make_optimizer(params, fused: bool, kind: str = "sgd") -> torch.optim.Optimizer:
+    """SGD with momentum 0.9 (or AdamW, ``kind="adamw"``), the same for every system timed."""
+    extra = {"fused": True} if fused else {}
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01, **extra)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9, **extra)
 
 
 def hand_loop_step(model: nn.Module, batch, policy: PrecisionPolicy, device: torch.device, fused: bool,
-                   compiled: bool = False) -> Callable[[], None]:
+                   compiled: bool = False, loss_fn: Callable = nn.functional.cross_entropy,
+                   optimizer: str = "sgd") -> Callable[[], None]:
     """The canonical torch.amp step, written out by hand, for the wrapper-cost comparison."""
-    optimizer = make_optimizer(model.parameters(), fused)
+    opt = make_optimizer(model.parameters(), fused, optimizer)
     dtype = policy.compute_dtype
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     inputs, targets = batch
@@ -113,11 +144,11 @@ def hand_loop_step(model: nn.Module, batch, policy: PrecisionPolicy, device: tor
         if compiled:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = nn.functional.cross_entropy(model(inputs), targets)
+            loss = loss_fn(model(inputs), targets)
         scaler.scale(loss).backward()
-        scaler.step(optimizer)
+        scaler.step(opt)
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
 
     return step
 
@@ -136,15 +167,19 @@ def system_factory(system: str, policy: PrecisionPolicy, batch_size: int, args, 
     ``system`` is "precisionloop" (``Trainer.step`` itself is timed) or "hand" (the hand loop, on the
     Trainer's prepared model). Each run's skipped-step count is appended to ``skipped``.
     """
+    # fp8 is timed compiled on CUDA: eager, torchao's casts make it slower than bf16 (the policy warns).
+    compile = args.compile or (device.type == "cuda" and isinstance(policy, FP8Policy))
+
     def build() -> Run:
-        model = build_model(args.model)
-        trainer = Trainer(model, make_optimizer(model.parameters(), args.fused), policy, device=device,
-                          compile=args.compile or False, distributed=args.distributed)
-        batch = trainer.to_device(random_batch(batch_size, args.image_size, device))
+        model = make_model(args)
+        trainer = Trainer(model, make_optimizer(model.parameters(), args.fused, args.optimizer), policy, device=device,
+                          compile=compile, distributed=args.distributed, loss_fn=loss_of(args))
+        batch = trainer.to_device(make_batch(args, batch_size, device))
         if system == "precisionloop":
             step = lambda: trainer.step(batch)  # noqa: E731
-        else:
-            step = hand_loop_step(trainer.model, batch, policy, device, args.fused, compiled=bool(args.compile))
+        else:  # on the Trainer's prepared model: for fp8, torchao's converted layers
+            step = hand_loop_step(trainer.model, batch, policy, device, args.fused, compiled=bool(compile),
+                                  loss_fn=loss_of(args), optimizer=args.optimizer)
         return Run(step, context=policy.backend_flags(), teardown=lambda: skipped.append(trainer.stats.skipped))
 
     return build
@@ -152,8 +187,11 @@ def system_factory(system: str, policy: PrecisionPolicy, batch_size: int, args, 
 
 def settings_of(args) -> dict:
     """The run-wide settings every configuration's JSON record carries."""
-    return {"model": args.model, "image_size": args.image_size, "fused": args.fused, "compile": args.compile or False,
-            "channels_last": args.channels_last, "distributed": args.distributed}
+    settings = {"model": args.model, "image_size": args.image_size, "fused": args.fused, "compile": args.compile or False,
+                "channels_last": args.channels_last, "distributed": args.distributed, "optimizer": args.optimizer}
+    if args.model == TRANSFORMER:
+        settings.update({k: getattr(args, k) for k in TRANSFORMER_SIZES})
+    return settings
 
 
 def measure(precision: str, batch_size: int, args, device: torch.device, systems: list[str], on_run=None) -> list[Result]:
@@ -246,23 +284,29 @@ def write_plot(results: list[Result], path: str, title: str) -> None:
     print(f"plot written to {path}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m precisionloop.recipes.resnet18_bench", description=__doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--model", default="resnet18", help="any torchvision classification model (default resnet18)")
-    p.add_argument("--batch-sizes", default=None, help="comma-separated (default 32,128 on CUDA, 8 on the CPU)")
+    p.add_argument("--model", default="resnet18",
+                   help="any torchvision classification model, or 'transformer' for the Linear-heavy stack of "
+                        "precisionloop.recipes.models (default resnet18)")
+    p.add_argument("--batch-sizes", default=None,
+                   help="comma-separated, images or sequences per batch (default 32,128 on CUDA, 8 on the CPU; "
+                        "for the transformer 8 on CUDA, 4 on the CPU)")
     p.add_argument("--precisions", default=None, help=f"comma-separated among {','.join(ALL_PRECISIONS)} (default all on CUDA; fp32,tf32,bf16 on the CPU)")
     p.add_argument("--iters", type=int, default=None, help="timed steps per configuration and round (default 50 on CUDA, 6 on the CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first in each round, for cudnn.benchmark to settle (default 15 on CUDA, 2 on the CPU)")
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds per configuration, a fresh model and optimizer each, the systems' order rotated "
                         "each round; the median over rounds is reported with the min-max spread (default 3)")
-    p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default 224 on CUDA, 112 on the CPU)")
+    p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default 224 on CUDA, 112 on the CPU; not for the transformer)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="force channels_last on or off (default: the policy's choice, on for CUDA)")
     p.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                   help="fused SGD for every system (default: on for CUDA); fused optimizers let a skipped step be "
+                   help="fused optimizer for every system (default: on for CUDA); fused optimizers let a skipped step be "
                         "decided on the device, so neither the Trainer nor GradScaler needs a host sync per step")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd",
+                   help="sgd (momentum 0.9, lr 0.01) or adamw (lr 3e-4, weight decay 0.01) for every system (default sgd)")
     p.add_argument("--compile", nargs="?", const=True, default=None, metavar="MODE",
                    help="torch.compile the model for every system; bare --compile lets the Trainer pick the mode")
     p.add_argument("--autotune", action="store_true",
@@ -272,6 +316,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-hand-loop", action="store_true", help="skip the hand-written loop (no wrapper-cost figures)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart here (needs matplotlib)")
+    t = p.add_argument_group("--model transformer", "sizes of the Transformer stack (defaults: the reference on CUDA, "
+                             "a tiny stack on the CPU)")
+    for name in TRANSFORMER_SIZES:
+        t.add_argument("--" + name.replace("_", "-"), type=int, default=None, dest=name,
+                       help=f"default {models.REFERENCE[name]} on CUDA, {models.TINY[name]} on the CPU")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     device = _parse_device(p, args.device)
     cuda = device.type == "cuda"
@@ -292,17 +346,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.fused = cuda and args.distributed != "fsdp"
     if isinstance(args.compile, str) and args.compile not in compile_modes():
         p.error(f"--compile {args.compile!r} is not a torch.compile mode; valid: {', '.join(compile_modes())}")
-    args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or ("32,128" if cuda else "8"))
+    transformer = args.model == TRANSFORMER
+    default_bs = ("8" if cuda else "4") if transformer else ("32,128" if cuda else "8")
+    args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or default_bs)
     args.iters = args.iters if args.iters is not None else (50 if cuda else 6)
     args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 2)
-    args.image_size = args.image_size or (224 if cuda else 112)
-    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
-                             ("--image-size", args.image_size, 16)):
+    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1)):
         if value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
+    if transformer:
+        _transformer_args(p, args, cuda)
+    else:
+        _image_args(p, args, cuda)
     if not cuda:
         args.notes.append(_cpu_note(args))
     return args
+
+
+def _image_args(p: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool) -> None:
+    """Settle --image-size for a torchvision model; the Transformer's size flags do not apply to it."""
+    args.image_size = args.image_size or (224 if cuda else 112)
+    if args.image_size < 16:
+        p.error(f"--image-size must be >= 16, got {args.image_size}")
+    given = ["--" + k.replace("_", "-") for k in TRANSFORMER_SIZES if getattr(args, k) is not None]
+    if given:
+        args.notes.append(f"{', '.join(given)} only apply to --model {TRANSFORMER}; ignored for {args.model}")
+
+
+def _transformer_args(p: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool) -> None:
+    """Fill the Transformer's sizes from the device's defaults and check them; image flags do not apply."""
+    defaults = models.REFERENCE if cuda else models.TINY
+    for name in TRANSFORMER_SIZES:
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[name])
+        if getattr(args, name) < models.MINIMUM[name]:
+            p.error(f"--{name.replace('_', '-')} must be >= {models.MINIMUM[name]}, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        p.error(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
+    if args.image_size is not None:
+        args.notes.append(f"--image-size is ignored for --model {TRANSFORMER} (its inputs are token ids)")
+    if args.channels_last is not None:
+        args.notes.append(f"--channels-last does not apply to --model {TRANSFORMER} (no 2-D convolutions); ignored")
+    args.image_size = args.channels_last = None
 
 
 def _parse_device(p: argparse.ArgumentParser, text: str | None) -> torch.device:
@@ -322,8 +407,14 @@ def _cpu_note(args: argparse.Namespace) -> str:
     """What a CPU run's figures are."""
     rss = ("peak memory is the growth of the process's resident set (RSS) from building the model to its last step"
            if memory_kind(args.device) == "MB RSS" else "peak memory n/a (/proc/self/clear_refs is not usable here)")
-    return (f"CPU run: {args.image_size}x{args.image_size} inputs and {args.iters} timed steps per round; "
-            f"wall-clock medians; {rss}")
+    if args.model == TRANSFORMER:
+        ref = models.REFERENCE
+        inputs = (f"a tiny Transformer by default, to stay seconds (the reference, {ref['layers']} layers of d_model "
+                  f"{ref['d_model']}, d_ff {ref['d_ff']}, 8 x {ref['seq_len']} tokens, is the CUDA default; "
+                  f"ask with --layers, --d-model, ...)")
+    else:
+        inputs = f"{args.image_size}x{args.image_size} inputs"
+    return f"CPU run: {inputs} and {args.iters} timed steps per round; wall-clock medians; {rss}"
 
 
 def _ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
@@ -340,12 +431,13 @@ def run_autotune(args: argparse.Namespace, device: torch.device) -> list[Result]
     """Let the library choose per batch size; report the chosen candidate as system "autotune"."""
     results = []
     for bs in args.batch_sizes:
-        model = build_model(args.model)
+        model = make_model(args)
         candidates = [c for c in default_candidates(model, device, compile=bool(args.compile)) if c.precision in args.precisions]
         print(f"\nautotune at batch {bs} ({len(candidates)} candidates, {args.warmup} + {args.iters} steps each):")
         try:
-            chosen = autotune(model, lambda params: make_optimizer(params, args.fused), random_batch(bs, args.image_size, device),
-                              candidates, device=device, steps=args.iters, warmup=args.warmup)
+            chosen = autotune(model, lambda params: make_optimizer(params, args.fused, args.optimizer),
+                              make_batch(args, bs, device), candidates, device=device, steps=args.iters,
+                              warmup=args.warmup, loss_fn=loss_of(args))
         except RuntimeError as e:
             print(e)
             continue
@@ -357,7 +449,6 @@ def run_autotune(args: argparse.Namespace, device: torch.device) -> list[Result]
     return results
 
 
-
 def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
     policy = get_policy(name, args.device)
     if args.channels_last is not None:
@@ -365,19 +456,32 @@ def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
     return policy
 
 
+def header(args: argparse.Namespace, env: dict) -> str:
+    """What is timed, on what, how: the report's first lines."""
+    optimizer = f"{'fused ' if args.fused else ''}{OPTIMIZERS[args.optimizer]}"
+    if args.model == TRANSFORMER:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in make_model(args).parameters())
+        inputs = (f"{args.layers} layers, d_model {args.d_model}, d_ff {args.d_ff}, {args.heads} heads, vocab {args.vocab} "
+                  f"({f'{params / 1e6:.1f}M' if params >= 100_000 else f'{params:,}'} parameters), "
+                  f"sequences of {args.seq_len} random tokens")
+        layout = "n/a"
+    else:
+        inputs = f"input {args.image_size}x{args.image_size}"
+        layout = "policy default" if args.channels_last is None else args.channels_last
+    return (f"precisionloop benchmark: {args.model} training steps (forward, backward, {optimizer}), {env['date']}\n"
+            f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
+            f"{inputs}, {args.rounds} rounds (systems interleaved, a fresh model and optimizer "
+            f"each) of {args.warmup} warm-up + {args.iters} timed steps; median over rounds of per-round medians [min-max]"
+            f" | channels_last: {layout}")
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
     device: torch.device = args.device
     say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)  # under torchrun, rank 0 reports
     env = environment(device)
-    header = (
-        f"precisionloop benchmark: {args.model} training steps (forward, backward, {'fused ' if args.fused else ''}SGD momentum 0.9), {env['date']}\n"
-        f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
-        f"input {args.image_size}x{args.image_size}, {args.rounds} rounds (systems interleaved, a fresh model and optimizer "
-        f"each) of {args.warmup} warm-up + {args.iters} timed steps; median over rounds of per-round medians [min-max]"
-        f" | channels_last: {'policy default' if args.channels_last is None else args.channels_last}"
-    )
-    say(header)
+    say(header(args, env))
     for note in args.notes:
         say(f"note: {note}")
     systems = ["precisionloop"] + ([] if args.no_hand_loop else ["hand"])

@@ -1,0 +1,99 @@
+"""Models for the benchmark recipe that torchvision does not have: a Linear-heavy Transformer stack.
+
+Plain PyTorch, every projection an ``nn.Linear`` (attention's q, k, v and output too, no
+``nn.MultiheadAttention``), so precisions that convert ``nn.Linear`` layers reach all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+# The issue's reference configuration (the recipe's CUDA default) and a tiny one for the CPU.
+REFERENCE = {"layers": 4, "d_model": 2048, "d_ff": 8192, "heads": 16, "seq_len": 1024, "vocab": 8192}
+TINY = {"layers": 2, "d_model": 64, "d_ff": 256, "heads": 4, "seq_len": 32, "vocab": 256}
+
+
+MINIMUM = {"layers": 1, "d_model": 1, "d_ff": 1, "heads": 1, "seq_len": 1, "vocab": 2}
+
+
+def check_sizes(layers: int, d_model: int, d_ff: int, heads: int, vocab: int, seq_len: int) -> None:
+    """Raise ValueError, naming the size, when the sizes do not make a TransformerStack."""
+    sizes = {"layers": layers, "d_model": d_model, "d_ff": d_ff, "heads": heads, "seq_len": seq_len, "vocab": vocab}
+    for name, low in MINIMUM.items():
+        if sizes[name] < low:
+            raise ValueError(f"{name} must be >= {low}, got {sizes[name]}")
+    if d_model % heads:
+        raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention from four ``nn.Linear`` layers and ``scaled_dot_product_attention``."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (proj(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """A pre-norm Transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, d_ff: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TransformerStack(nn.Module):
+    """A decoder-only Transformer: token ids (batch, seq) in, logits (batch, seq, vocab) out.
+
+    Token embedding plus learned positions, ``layers`` pre-norm blocks (causal self-attention and
+    a Linear(d_model, d_ff)-GELU-Linear(d_ff, d_model) MLP), a final LayerNorm and a
+    Linear(d_model, vocab) head. ``seq_len`` is the longest sequence it takes.
+    """
+
+    def __init__(self, layers: int, d_model: int, d_ff: int, heads: int, vocab: int = 8192, seq_len: int = 1024):
+        super().__init__()
+        check_sizes(layers, d_model, d_ff, heads, vocab, seq_len)
+        self.seq_len = seq_len
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.Sequential(*(Block(d_model, d_ff, heads) for _ in range(layers)))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len {self.seq_len}")
+        x = self.tokens(ids) + self.positions(torch.arange(t, device=ids.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy over (batch * seq, vocab)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def random_tokens(batch: int, seq_len: int, vocab: int, device: torch.device | str = "cpu", seed: int | None = None):
+    """Random token ids ``(inputs, targets)``, each (batch, seq_len), the targets being the next tokens."""
+    g = torch.Generator(device="cpu").manual_seed(batch if seed is None else seed)
+    ids = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
+    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
