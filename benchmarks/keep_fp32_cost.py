@@ -13,20 +13,11 @@ import argparse
 import json
 
 import torch
-from torch import nn
 
 from precisionloop import BF16Policy, Trainer
+from precisionloop.fp32_modules import entries_from_text
 from precisionloop.measure import Run, format_memory, format_ratio, format_time, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
-
-
-def keep_entries(text: str) -> tuple:
-    """Comma-separated names: a torch.nn class name becomes the class, anything else a module-name pattern."""
-    out = []
-    for name in filter(None, (s.strip() for s in text.split(","))):
-        cls = getattr(nn, name, None)
-        out.append(cls if isinstance(cls, type) and issubclass(cls, nn.Module) else name)
-    return tuple(out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    policies = {"bf16": BF16Policy(), f"bf16 keep_fp32={args.keep}": BF16Policy(keep_fp32=keep_entries(args.keep))}
+    policies = {"bf16": BF16Policy(), f"bf16 keep_fp32={args.keep}": BF16Policy(keep_fp32=entries_from_text(args.keep))}
 
     def factory(policy):
         def build() -> Run:

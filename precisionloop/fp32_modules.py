@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["validate_keep_fp32", "select_modules", "keep_fp32_", "is_kept", "entry_names"]
+__all__ = ["validate_keep_fp32", "select_modules", "keep_fp32_", "is_kept", "entry_names", "entries_from_text"]
 
 _VALID = "an nn.Module subclass (matched with isinstance) or a str pattern (fnmatch over named_modules() names)"
 
@@ -144,7 +144,9 @@ def keep_fp32_(model: nn.Module, entries: Any) -> list[str]:
     ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` does. Outputs are
     float32 when the module's parameters are (fp32 master weights).
 
-    Calling it again with the same or overlapping entries does not wrap a module twice.
+    The kept set is exactly what ``entries`` selects: calling it again does not wrap a module
+    twice, and modules an earlier call kept but these entries do not select run normally again
+    (so a model trained under one policy and then another is not left with stale fp32 modules).
 
     Args:
         model: the model to change; its ``state_dict`` keys, module tree and
@@ -168,17 +170,47 @@ def keep_fp32_(model: nn.Module, entries: Any) -> list[str]:
         >>> y.dtype
         torch.float32
     """
+    selected = select_modules(model, entries)
+    chosen = {id(module) for _, module in selected}
+    for module in model.modules():  # what an earlier policy kept and this one does not runs under autocast again
+        if is_kept(module) and id(module) not in chosen:
+            _release(module)
     kept = []
-    for name, module in select_modules(model, entries):
+    for name, module in selected:
         if not is_kept(module):
             module.forward = _FP32Forward(module)
         kept.append(name)
     return kept
 
 
+def _release(module: nn.Module) -> None:
+    wrapper = module.__dict__["forward"]
+    if wrapper.inner is not None:
+        module.forward = wrapper.inner
+    else:
+        del module.forward
+
+
 def is_kept(module: nn.Module) -> bool:
     """True for a module that :func:`keep_fp32_` made run in float32."""
     return isinstance(module.__dict__.get("forward"), _FP32Forward)
+
+
+def entries_from_text(text: str) -> tuple:
+    """``keep_fp32`` entries from comma-separated names, as a command line gives them.
+
+    A name of an ``nn.Module`` class in ``torch.nn`` (``LayerNorm``, ``BatchNorm2d``) becomes that
+    class; any other name is a module-name pattern.
+
+    Example:
+        >>> entries_from_text("LayerNorm, head")
+        (<class 'torch.nn.modules.normalization.LayerNorm'>, 'head')
+    """
+    entries = []
+    for name in filter(None, (n.strip() for n in text.split(","))):
+        cls = getattr(nn, name, None)
+        entries.append(cls if isinstance(cls, type) and issubclass(cls, nn.Module) else name)
+    return validate_keep_fp32(entries)
 
 
 def entry_names(entries: tuple) -> list[str]:

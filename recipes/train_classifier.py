@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, random_split
 from torchmetrics.classification import MulticlassAccuracy
 
 from precisionloop import Trainer, get_policy
+from precisionloop.fp32_modules import entries_from_text
 from precisionloop.recipes.data import TORCHVISION_DATASETS, image_dataset
 
 
@@ -35,15 +36,6 @@ def small_cnn(classes: int = 10) -> nn.Module:
     )
     # Named parts, so that --keep-fp32 can name them: "head" is the classifier.
     return nn.Sequential(OrderedDict(features=features, dropout=nn.Dropout(0.2), head=nn.Linear(64 * 7 * 7, classes)))
-
-
-def keep_fp32_entries(names: str) -> tuple:
-    """``--keep-fp32``'s value: a class of torch.nn (BatchNorm2d, LayerNorm, ...) by its name, else a module-name pattern."""
-    entries = []
-    for name in filter(None, (n.strip() for n in names.split(","))):
-        cls = getattr(nn, name, None)
-        entries.append(cls if isinstance(cls, type) and issubclass(cls, nn.Module) else name)
-    return tuple(entries)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -79,7 +71,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     precision = args.precision
     if args.keep_fp32:
-        precision = dataclasses.replace(get_policy(args.precision, args.device), keep_fp32=keep_fp32_entries(args.keep_fp32))
+        precision = dataclasses.replace(get_policy(args.precision, args.device), keep_fp32=entries_from_text(args.keep_fp32))
     trainer = Trainer(model, optimizer, precision=precision, device=args.device)
     say = print if trainer.is_main else (lambda *a: None)  # under torchrun, rank 0 speaks for all
     say(f"data: {source}")

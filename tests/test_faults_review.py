@@ -236,3 +236,13 @@ def test_an_empty_validation_batch_does_not_make_the_loss_nan():
     x, y = batches(1)[0]
     result = trainer.evaluate([(x, y), (x[:0], y[:0])])
     assert result["val_loss"] == pytest.approx(trainer.evaluate([(x, y)])["val_loss"])
+
+
+def test_modules_kept_by_an_earlier_policy_are_released():
+    from precisionloop.fp32_modules import is_kept
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), BF16Policy(keep_fp32=(nn.LayerNorm,)), device="cpu")
+    assert is_kept(model[1])
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), BF16Policy(), device="cpu")
+    assert not is_kept(model[1]) and "forward" not in model[1].__dict__
