@@ -15,7 +15,8 @@ from torch import nn
 
 from . import fp32_modules
 
-__all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "default_layers", "check_layers", "convert"]
+__all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "default_layers", "check_layers",
+           "convert", "config", "converted_layers", "check_converted", "check_unwrapped"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 """torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``)."""
@@ -62,9 +63,9 @@ ALIGNMENT = 16
 def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = None) -> str | None:
     """Why ``linear`` cannot be converted to fp8, or None if it can.
 
-    torch._scaled_mm needs every dimension of its operands to be a multiple of 16: in and out
-    features in the forward, and the token count too in the weight gradient (tokens are its inner
-    dimension). Emulated fp8 runs any shape, but a layer it accepted would fail on a GPU.
+    torch._scaled_mm needs every dimension of its operands to be a multiple of 16. In and out
+    features must be; token counts (the weight gradient's inner dimension) are padded by
+    :func:`config`.
 
     Args:
         name: the layer's fully qualified name, for the message.
@@ -84,12 +85,9 @@ def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = 
         if size % ALIGNMENT:
             return f"{what} {size} is not a multiple of {ALIGNMENT}"
     counts = [tokens] if isinstance(tokens, int) else list(tokens or [])
-    for count in counts:
-        if count == 0:
-            return "no tokens: called on an empty input"
-        if count % ALIGNMENT:
-            return f"tokens {count} is not a multiple of {ALIGNMENT} (the weight gradient's inner dimension)"
-    return None
+    if any(count == 0 for count in counts):
+        return "no tokens: called on an empty input"
+    return None  # unaligned token counts are padded (see config)
 
 
 def default_layers(model: nn.Module) -> tuple[str, ...]:
@@ -140,7 +138,53 @@ def convert(model: nn.Module, recipe: str, emulate: bool, layers: Iterable[str] 
             return True
         return False
 
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    model = float8.convert_to_float8_training(model, module_filter_fn=take, config=config)
+    model = float8.convert_to_float8_training(model, module_filter_fn=take, config=config(recipe, emulate))
     return model, sorted(converted)
+
+
+def config(recipe: str, emulate: bool):
+    """torchao's ``Float8LinearConfig`` for ``recipe``, padding inner dimensions to multiples of 16.
+
+    Padding lets any token count through (the weight gradient's inner dimension is the number of
+    tokens, which a last partial batch or a ViT's 197 tokens would otherwise make unaligned).
+    """
+    float8 = require_torchao()
+    names = [r.value for r in float8.Float8LinearRecipeName]
+    if recipe not in names:  # torchao asserts instead, which python -O would skip
+        raise ValueError(f"unknown fp8 recipe {recipe!r}; torchao knows {', '.join(names)}")
+    return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True)
+
+
+def converted_layers(model: nn.Module) -> list[str]:
+    """Names of the layers an fp8 policy already converted (torchao's Float8Linear)."""
+    return [name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+
+
+def check_converted(model: nn.Module, allowed: Iterable[str] | None) -> None:
+    """Refuse a model with fp8 layers this policy would not have converted (``allowed`` None: any).
+
+    torchao's conversion cannot be undone, so a model trained under fp8 and then handed to a
+    bf16 Trainer would silently keep training those layers in fp8.
+
+    Raises:
+        ValueError: naming the converted layers.
+    """
+    extra = [n for n in converted_layers(model) if allowed is not None and n not in set(allowed)]
+    if extra:
+        raise ValueError(f"layers {', '.join(extra[:5])} were converted to fp8 by an earlier FP8Policy, and torchao's "
+                         "conversion cannot be undone; build the model anew (load its state_dict into a fresh one, "
+                         "the keys are the same) to train it under this policy")
+
+
+def check_unwrapped(model: nn.Module) -> None:
+    """Refuse a model the user already wrapped in DDP or FSDP2: it would be used as it is, without fp8.
+
+    Raises:
+        ValueError: saying to pass the plain model with ``distributed=``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, (nn.parallel.DistributedDataParallel, FSDPModule)):
+        raise ValueError("precision 'fp8' converts layers before wrapping: pass the plain model and "
+                         "distributed='ddp' or 'fsdp' instead of a model you wrapped yourself")
 

@@ -63,15 +63,6 @@ class LinearShape(NamedTuple):
         return f"{self.tokens} x {self.in_features} -> {self.out_features}{calls}"
 
 
-def _fp8_config(recipe: str, emulate: bool):
-    """The torchao Float8LinearConfig of ``recipe``, emulated (plain bf16/fp32 matmuls, any device) if asked."""
-    float8 = fp8.require_torchao()
-    names = [r.value for r in float8.Float8LinearRecipeName]
-    if recipe not in names:  # torchao asserts instead, which ``python -O`` would skip
-        raise ValueError(f"unknown fp8 recipe {recipe!r}; torchao knows {names}")
-    return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-
-
 def _model_device(model: nn.Module) -> torch.device:
     tensor = next(model.parameters(), None)
     if tensor is None:
@@ -190,7 +181,7 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
     device = torch.device(device)
     emulate = device.type != "cuda" if emulate is None else emulate
     compile = device.type == "cuda" if compile is None else compile
-    config = _fp8_config(recipe, emulate)
+    config = fp8.config(recipe, emulate)
     convert_fp8 = fp8.require_torchao().convert_to_float8_training
     source = copy.deepcopy(linear).to(device)
     dtype = dtype or source.weight.dtype
@@ -334,7 +325,7 @@ def choose_fp8_layers(model: nn.Module, sample_batch: Any, run: Callable[[nn.Mod
     if rounds < 1 or iters < 1 or warmup < 0 or not 0 <= margin < 1:
         raise ValueError(f"need rounds >= 1, iters >= 1, warmup >= 0 and 0 <= margin < 1; "
                          f"got {rounds}, {iters}, {warmup}, {margin}")
-    _fp8_config(recipe, emulate)  # fail before the capture, not after it
+    fp8.config(recipe, emulate)  # fail before the capture, not after it
     shapes = linear_shapes(model, sample_batch, run)
     timing = dict(recipe=recipe, emulate=emulate, iters=iters, warmup=warmup, rounds=rounds, compile=compile)
     timed: dict[tuple, LayerTiming] = {}

@@ -29,7 +29,7 @@ class PrecisionPolicy:
     The Trainer reaches a policy only through ``autocast``, ``make_guard`` (built
     from ``make_scaler``), ``backend_flags``, ``check_model``, ``prepare_model``
     and ``memory_format``, plus the attributes ``name``, ``compute_dtype`` and
-    ``keep_fp32``. Subclass it (or one of the three concrete policies) to support
+    ``keep_fp32``. Subclass it (or one of the concrete policies) to support
     custom hardware.
 
     Args:
@@ -113,13 +113,16 @@ class PrecisionPolicy:
             return torch.channels_last
         return torch.contiguous_format
 
-    def check_model(self, model: nn.Module) -> None:
-        """Raise, before anything changes, if this policy cannot apply to ``model``.
+    def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
+        """Raise, before anything changes, if this policy cannot apply to ``model`` (on ``device``).
 
         Raises:
-            ValueError: a ``keep_fp32`` pattern matches no module (the message names close ones).
+            ValueError: a ``keep_fp32`` pattern matches no module (the message names close ones),
+                or the model has layers an earlier fp8 policy converted.
         """
-        fp32_modules.select_modules(model, self.keep_fp32)
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        fp32_modules.select_modules(inner, self.keep_fp32)  # names as inside a wrapper, as the Trainer wraps
+        fp8.check_converted(inner, allowed=())
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Check that the model's device supports this policy, convert its layout, keep ``keep_fp32`` modules fp32.
@@ -236,10 +239,18 @@ class FP8Policy(BF16Policy):
                 raise ValueError(f"layers must be a tuple of module names, got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))  # frozen: one canonical form
 
-    def check_model(self, model: nn.Module) -> None:
-        fp8.require_torchao()  # before the Trainer touches the model
+    def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
+        # Everything that can fail, before the Trainer touches the model or the optimizer.
+        fp8.require_torchao()
+        fp8.check_unwrapped(model)
+        if device is not None:
+            fp8.check_device(device, self.emulate)
         fp8.check_layers(model, self.layers)
-        super().check_model(model)
+        kept = {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
+        both = [n for n in self.layers or () if any(n == k or n.startswith(f"{k}.") or k == "" for k in kept)]
+        if both:
+            raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
+        fp8.check_converted(model, allowed=self.layers)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """bf16's preparation, then the chosen ``nn.Linear`` layers converted to fp8 training.
@@ -258,7 +269,7 @@ class FP8Policy(BF16Policy):
     def check_compile(self, mode: str | None, device_type: str) -> None:
         if mode is None and device_type == "cuda":
             warnings.warn("fp8 without torch.compile is known to be slower than bf16 (torchao's casts run "
-                          "eagerly); pass compile=True", UserWarning, stacklevel=5)
+                          "eagerly); pass compile=True", UserWarning, stacklevel=4)
 
 
 # The one precision table: canonical name -> factory, then every accepted spelling.

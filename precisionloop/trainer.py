@@ -107,7 +107,7 @@ class Trainer:
                              "the chosen policy to the distributed Trainer")
         self.device = _as_device(device)
         policy = get_policy(precision, self.device)
-        policy.check_model(_dist.unwrap(model))
+        policy.check_model(model, self.device)
         _check_master_weights(model, policy)
         _check_optimizer(model, optimizer)
         _dist.check_optimizer(optimizer, self.distributed)

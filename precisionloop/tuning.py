@@ -36,6 +36,11 @@ class Candidate:
     options: tuple = ()
     """(field, value) pairs set on the policy, e.g. ``(("layers", ("blocks.0.fc1",)),)`` for FP8Policy."""
 
+    def __post_init__(self) -> None:
+        # Hashable whatever the caller passed: lists become tuples.
+        options = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.options)
+        object.__setattr__(self, "options", options)
+
     def policy(self, device: torch.device) -> PrecisionPolicy:
         return dataclasses.replace(get_policy(self.precision, device), channels_last=self.channels_last, **dict(self.options))
 
@@ -102,16 +107,16 @@ class AutotuneResult:
 def default_candidates(model: nn.Module, device: str | torch.device | None = None, *, compile: bool = False) -> list[Candidate]:
     """fp32, tf32, bf16 and fp16; with and without channels_last for conv models; compiled too if asked.
 
-    On the CPU, tf32 (the same as fp32 there) and fp16 (very slow there) are left out. Where fp8
-    matmuls exist (CUDA compute capability 8.9+, torchao installed), a compiled fp8 candidate
-    is added; :func:`autotune` then also measures which layers gain from fp8.
+    On the CPU, tf32 (the same as fp32 there) and fp16 (very slow there) are left out. With
+    ``compile`` and where fp8 matmuls exist (CUDA compute capability 8.9+, torchao installed), a
+    compiled fp8 candidate is added; :func:`autotune` then also measures which layers gain from fp8.
     """
     device = _as_device(device)
     precisions = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
     layouts: list[bool | None] = [True, False] if any(isinstance(m, nn.Conv2d) for m in model.modules()) else [None]
     compiles: list[bool | str] = [False, True] if compile else [False]
     candidates = [Candidate(p, layout, c) for p in precisions for layout in layouts for c in compiles]
-    if _fp8_available(device):  # fp8 only compiled: eager, torchao's casts make it slower than bf16
+    if compile and _fp8_available(device):  # fp8 only compiled: eager, torchao's casts make it slower than bf16
         candidates.append(Candidate("fp8", compile=True))
     return candidates
 
@@ -186,16 +191,18 @@ def autotune(
     if not candidates:
         raise ValueError("no candidates to try")
     loss_for = loss_for or _plain_loss(loss_fn or nn.functional.cross_entropy)
-    candidates = _with_fp8_layers(candidates, model, sample_batch, loss_for, device, steps, warmup, rounds, verbose)
-    if not candidates:
-        raise RuntimeError("autotune: no candidate left to try (fp8 was declined; see above)")
-    reference = Candidate("fp32", channels_last=False)
-    runs = [reference] + [c for c in candidates if c != reference]
-    trials = {c: _Trial(c, model, optimizer_factory, sample_batch, device, loss_for) for c in runs}
     rng = checkpoint.rng_state()  # trials reseed for equal dropout masks; the caller's RNG must not notice
     try:
-        timings = measure.interleaved({c.label: t.build for c, t in trials.items()}, rounds=rounds, iters=steps,
-                                      warmup=warmup, device=device)
+        candidates = _with_fp8_layers(candidates, model, sample_batch, loss_for, device, steps, warmup, rounds, verbose)
+        if not candidates:
+            raise RuntimeError("autotune: no candidate left to try (fp8 was declined; see above)")
+        reference = Candidate("fp32", channels_last=False)
+        runs = [reference] + [c for c in candidates if c != reference]
+        trials = {c: _Trial(c, model, optimizer_factory, sample_batch, device, loss_for) for c in runs}
+        keys = {c: f"{i}: {c.label}" for i, c in enumerate(trials)}  # labels can repeat (fp8 layer counts)
+        timed = measure.interleaved({keys[c]: t.build for c, t in trials.items()}, rounds=rounds, iters=steps,
+                                    warmup=warmup, device=device)
+        timings = {c: timed[keys[c]] for c in trials}
     finally:
         checkpoint.set_rng_state(rng)
     results = _judge(runs, trials, timings, tolerance)
@@ -221,6 +228,11 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
             out.append(c)
             continue
         say = print if verbose else log.info
+        try:
+            fp8.check_device(device, policy.emulate)
+        except ValueError:
+            out.append(c)  # it will be rejected with that error; nothing to measure per layer
+            continue
         if not fp8.default_layers(model):
             say(f"autotune: {c.label} declined: no nn.Linear layer fp8 can take besides the first and the last")
             continue
@@ -229,7 +241,7 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
         choice = fp8_tuning.choose_fp8_layers(trial, to_device(batch, device, torch.contiguous_format),
                                               lambda m, b: loss_for(m)(b), device, recipe=policy.recipe,
                                               emulate=policy.emulate or None, iters=steps, warmup=warmup,
-                                              rounds=max(rounds, 2))
+                                              rounds=max(rounds, 2), compile=bool(c.compile) and device.type == "cuda")
         say(f"autotune: fp8 per layer, {c.label}:\n{choice}")
         if choice.layers:
             out.append(dataclasses.replace(c, options=(*c.options, ("layers", choice.layers))))
@@ -277,7 +289,7 @@ def _judge(runs: list[Candidate], trials: dict, timings: dict, tolerance: float)
     reference = trials[runs[0]].losses
     results = []
     for c in runs:
-        trial, timing = trials[c], timings[c.label]
+        trial, timing = trials[c], timings[c]
         result = CandidateResult(c, timing, skipped=trial.skipped)
         if timing.error is not None:
             result.rejected = timing.error.splitlines()[0][:100]

@@ -158,3 +158,52 @@ def test_autotune_declines_fp8_without_convertible_layers(capsys):
                       rounds=2)
     assert "declined: no nn.Linear layer fp8 can take" in capsys.readouterr().out
     assert all(r.candidate.precision != "fp8" for r in result.results)
+
+
+def test_a_model_converted_earlier_is_refused_by_other_policies():
+    model = mlp()
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True), device="cpu")
+    with pytest.raises(ValueError, match="converted to fp8 by an earlier FP8Policy"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
+    with pytest.raises(ValueError, match="converted to fp8"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("2",)), device="cpu")
+    # the same fp8 policy again is fine
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True), device="cpu")
+
+
+def test_a_layer_both_kept_and_converted_is_refused():
+    model = mlp()
+    with pytest.raises(ValueError, match="also kept in fp32"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("2",), keep_fp32=("2",)),
+                device="cpu")
+
+
+def test_device_is_checked_before_anything_changes():
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="8.9"):
+        FP8Policy().check_model(model, torch.device("cpu"))
+    with pytest.raises(ValueError, match="8.9"):
+        Trainer(model, optimizer, "fp8", device="cpu")
+    assert optimizer.param_groups[0]["fused"] is None and all(type(m) is not Float8Linear for m in model.modules())
+
+
+def test_fp8_candidates_only_when_compiling(monkeypatch):
+    from precisionloop import tuning
+
+    monkeypatch.setattr(tuning, "_fp8_available", lambda device: True)
+    assert all(c.precision != "fp8" for c in tuning.default_candidates(mlp(), "cpu", compile=False))
+    assert [c for c in tuning.default_candidates(mlp(), "cpu", compile=True) if c.precision == "fp8"] == [
+        tuning.Candidate("fp8", compile=True)]
+
+
+def test_candidates_with_equal_labels_and_list_options():
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    a = Candidate("fp8", options=(("emulate", True), ("layers", ["2"])))
+    b = Candidate("fp8", options=(("emulate", True), ("layers", ("4",))))
+    assert a.label == b.label and hash(a) != hash(b)  # lists became tuples; the labels say "layers=1" for both
+    result = autotune(mlp(), lambda p: torch.optim.SGD(p, lr=0.01), data(1)[0], [a, b], device="cpu", steps=2, warmup=1,
+                      rounds=2, tolerance=1.0, verbose=False)
+    assert {r.candidate for r in result.results} == {a, b} and all(r.timing.rounds_ms for r in result.results)

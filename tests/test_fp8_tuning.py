@@ -95,11 +95,14 @@ def test_eligibility_reasons():
     assert eligible("fc", nn.Linear(32, 30)) == "out_features 30 is not a multiple of 16"
     assert eligible("fc", nn.Linear(32, 64)) is None
     assert eligible("fc", nn.Linear(32, 64), 48) is None
-    assert eligible("fc", nn.Linear(32, 64), (32, 24)) == (
-        "tokens 24 is not a multiple of 16 (the weight gradient's inner dimension)")
+    assert eligible("fc", nn.Linear(32, 64), (32, 24)) is None  # unaligned token counts are padded
+    assert eligible("fc", nn.Linear(32, 64), (32, 0)) == "no tokens: called on an empty input"
+    from precisionloop import fp8
+
+    assert fp8.config("tensorwise", True).pad_inner_dim
     assert eligible("conv", nn.Conv1d(16, 16, 1)) == "conv is a Conv1d, not an nn.Linear"
     float8 = fp8_tuning.fp8.require_torchao()
-    converted = float8.convert_to_float8_training(nn.Linear(32, 32), config=fp8_tuning._fp8_config("tensorwise", True))
+    converted = float8.convert_to_float8_training(nn.Linear(32, 32), config=fp8_tuning.fp8.config("tensorwise", True))
     assert eligible("", converted) == "already fp8 (Float8Linear)"
 
 
@@ -178,7 +181,7 @@ def test_margin_and_shared_layers_count_every_call(fake_timer):
 def test_module_filter_fn_converts_exactly_the_chosen_layers():
     model = _model()
     choice = Fp8Choice(("0", "3"), [], "tensorwise", emulate=True)
-    config = fp8_tuning._fp8_config("tensorwise", True)
+    config = fp8_tuning.fp8.config("tensorwise", True)
     converted = fp8_tuning.fp8.require_torchao().convert_to_float8_training(copy.deepcopy(model), config=config,
                                                                  module_filter_fn=choice.module_filter_fn)
     kinds = [type(m).__name__ for m in converted]

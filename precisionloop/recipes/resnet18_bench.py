@@ -167,8 +167,7 @@ def system_factory(system: str, policy: PrecisionPolicy, batch_size: int, args, 
     ``system`` is "precisionloop" (``Trainer.step`` itself is timed) or "hand" (the hand loop, on the
     Trainer's prepared model). Each run's skipped-step count is appended to ``skipped``.
     """
-    # fp8 is timed compiled on CUDA: eager, torchao's casts make it slower than bf16 (the policy warns).
-    compile = args.compile or (device.type == "cuda" and isinstance(policy, FP8Policy))
+    compile = compile_for(policy, args, device)
 
     def build() -> Run:
         model = make_model(args)
@@ -183,6 +182,11 @@ def system_factory(system: str, policy: PrecisionPolicy, batch_size: int, args, 
         return Run(step, context=policy.backend_flags(), teardown=lambda: skipped.append(trainer.stats.skipped))
 
     return build
+
+
+def compile_for(policy: PrecisionPolicy, args, device: torch.device):
+    """--compile, except that fp8 is always timed compiled on CUDA: eager, torchao's casts make it slower than bf16."""
+    return args.compile or (device.type == "cuda" and isinstance(policy, FP8Policy))
 
 
 def settings_of(args) -> dict:
@@ -201,7 +205,8 @@ def measure(precision: str, batch_size: int, args, device: torch.device, systems
     factories = {s: system_factory(s, policy, batch_size, args, device, skipped[s]) for s in systems}
     measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=device,
                            on_run=on_run)
-    return [Result.from_measurement(m, precision, batch_size, sum(skipped[s]), **settings_of(args))
+    settings = {**settings_of(args), "compile": compile_for(policy, args, device) or False}  # per row: fp8 differs
+    return [Result.from_measurement(m, precision, batch_size, sum(skipped[s]), **settings)
             for s, m in measured.items()]
 
 
