@@ -31,3 +31,15 @@ def batches(n: int, batch_size: int = 8, in_features: int = 16, classes: int = 4
         (torch.randn(batch_size, in_features, generator=g), torch.randint(0, classes, (batch_size,), generator=g))
         for _ in range(n)
     ]
+
+
+class ProbeNorm(nn.LayerNorm):
+    """A LayerNorm that records, on each call, whether CPU autocast is on and its input's dtype."""
+
+    def __init__(self, features):
+        super().__init__(features)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append((torch.is_autocast_enabled("cpu"), x.dtype))
+        return super().forward(x)

@@ -7,23 +7,12 @@ import pickle
 
 import pytest
 import torch
+from conftest import ProbeNorm
 from torch import nn
 
 from precisionloop.fp32_modules import keep_fp32_, select_modules, validate_keep_fp32
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
-
-
-class Probe(nn.LayerNorm):
-    """A LayerNorm that records, on each call, whether autocast is on and the dtype of its input."""
-
-    def __init__(self, features):
-        super().__init__(features)
-        self.seen = []
-
-    def forward(self, x):
-        self.seen.append((torch.is_autocast_enabled("cpu"), x.dtype))
-        return super().forward(x)
 
 
 class Block(nn.Module):
@@ -79,10 +68,10 @@ def forward_backward(model, x, autocast=True):
 
 def test_kept_module_sees_autocast_off_and_fp32_input():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), Probe(8), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(4, 8), ProbeNorm(8), nn.Linear(8, 2))
     linear_out = []
     model[0].register_forward_hook(lambda m, i, o: linear_out.append(o.dtype))
-    assert keep_fp32_(model, [Probe]) == ["1"]
+    assert keep_fp32_(model, [ProbeNorm]) == ["1"]
     with torch.autocast(**BF16):
         hidden = model[:2](torch.randn(3, 4))
         after = model[2](hidden)
@@ -172,16 +161,16 @@ def test_selection(entries, expected):
 
 def test_isinstance_matches_subclasses():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), Probe(8))
+    model = nn.Sequential(nn.Linear(4, 8), ProbeNorm(8))
     assert keep_fp32_(model, nn.LayerNorm) == ["1"]
 
 
 def test_nested_kept_modules_all_run_in_fp32():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), Probe(8)))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), ProbeNorm(8)))
     inner_linear = []
     model[1][0].register_forward_hook(lambda m, i, o: inner_linear.append(o.dtype))
-    assert keep_fp32_(model, ["1", Probe]) == ["1"]
+    assert keep_fp32_(model, ["1", ProbeNorm]) == ["1"]
     with torch.autocast(**BF16):
         out = model(torch.randn(3, 4))
     assert inner_linear == [torch.float32]

@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from conftest import ProbeNorm
 from torch import nn
 
 import precisionloop._compat
@@ -22,18 +23,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWar
 
 POLICIES = {"bf16": BF16Policy, "fp16": FP16Policy}
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class ProbeNorm(nn.LayerNorm):
-    """A LayerNorm that records, on each call, whether CPU autocast is on and its input's dtype."""
-
-    def __init__(self, features):
-        super().__init__(features)
-        self.seen = []
-
-    def forward(self, x):
-        self.seen.append((torch.is_autocast_enabled("cpu"), x.dtype))
-        return super().forward(x)
 
 
 class ProbeLinear(nn.Linear):
