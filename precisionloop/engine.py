@@ -269,7 +269,7 @@ class StepEngine:
         self.guard.update()
         scale = self.guard.scale_tensor()
         # One small tensor carries the verdict, the loss and the scale to the host in one copy.
-        verdict = torch.cat([found_inf.reshape(1).float(), loss.reshape(1).float()]
+        verdict = torch.cat([found_inf.reshape(1).float(), loss.reshape(1).float().to(found_inf.device)]
                             + ([] if scale is None else [scale.reshape(1).float()]))
         if scale is not None:
             self.last_scale = verdict[2]
