@@ -167,6 +167,8 @@ def restore_trainer(trainer, state: dict) -> None:
     engine.settle()
     engine.discard_window()  # gradients of an open window belong to the run being replaced
     load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], engine.distributed)
+    if engine.after_step is not None:
+        engine.after_step()  # new weights, as after an optimizer step (fp8 all-gather scales them anew)
     if trainer.scheduler is not None and state.get("scheduler") is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])
     engine.guard.load_state_dict(state.get("scaler"))

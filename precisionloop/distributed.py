@@ -111,16 +111,45 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.device, optimizer: torch.optim.Optimizer) -> nn.Module:
-    """DDP-wrap or FSDP2-shard ``model``; FSDP2 also repoints ``optimizer`` at the sharded parameters."""
+    """DDP-wrap or FSDP2-shard ``model``; FSDP2 also repoints ``optimizer`` at the sharded parameters.
+
+    Under FSDP2, ``policy.prepare_sharding`` readies the model just before it is sharded.
+
+    Args:
+        model: the prepared model (a model the user wrapped is returned as it is).
+        mode: ``"ddp"`` or ``"fsdp"``.
+        policy: the precision policy: its compute dtype sets FSDP2's parameter dtype.
+        device: this rank's device.
+        optimizer: the optimizer over ``model``'s parameters, without state yet under FSDP2.
+
+    Raises:
+        ValueError: under FSDP2, the optimizer has state or holds a tensor that is not a parameter of
+            the model; or ``policy.prepare_sharding`` refuses the model. Nothing is sharded then.
+    """
     if is_wrapped(model):
         return model  # the user already chose how to distribute it
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
     if optimizer.state:
         raise ValueError("distributed='fsdp' replaces the parameters: build the Trainer before the optimizer has state")
+    # The names of the parameters the optimizer holds, taken before prepare_sharding and fully_shard
+    # replace the Parameter objects: they repoint the optimizer afterwards.
     names = {id(p): n for n, p in model.named_parameters()}
+    held = [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+    if any(n is None for group in held for n in group):
+        raise ValueError("distributed='fsdp' repoints the optimizer at the sharded parameters by name, so it must "
+                         "hold only parameters of the model")
+    model = _shard(policy.prepare_sharding(model), policy)
+    sharded = dict(model.named_parameters())
+    for group, group_names in zip(optimizer.param_groups, held):
+        group["params"] = [sharded[n] for n in group_names]
+    return model
+
+
+def _shard(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
+    """``fully_shard`` kept modules and affine batch norms (fp32), then each child of the root, then the root."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     reduced = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
     # Parameters are cast to the policy's compute dtype for forward/backward; gradients reduce in fp32.
     mp = MixedPrecisionPolicy(param_dtype=reduced, reduce_dtype=torch.float32)
@@ -137,9 +166,6 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
             fully_shard(child, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    sharded = dict(model.named_parameters())
-    for group in optimizer.param_groups:
-        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model
 
 

@@ -162,7 +162,8 @@ class StepEngine:
 
     ``loss_of(batch)`` computes one micro-batch's loss; it runs under the policy's autocast.
     ``probe``, when set, is called with the optimizer step's number after the gradients are
-    unscaled and before they are clipped (fit's underflow telemetry uses it).
+    unscaled and before they are clipped (fit's underflow telemetry uses it). ``after_step``, the
+    policy's ``optimizer_step_hook``, runs after each optimizer step (fp8 all-gather's scales).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
@@ -184,6 +185,7 @@ class StepEngine:
         self.unsynced = False  # the last backward skipped the gradient all-reduce
         self.sync_next = False  # set by the loop: the next micro-batch closes the epoch, so gradients must sync
         self.probe: Callable[[int], None] | None = None
+        self.after_step: Callable[[], None] | None = None  # the policy's optimizer_step_hook, asked in configure
         self._pending: tuple[torch.Tensor, Any] | None = None  # the last step's verdict, not yet read
         self._host: torch.Tensor | None = None  # pinned buffer the verdict is copied into
         self._event: Any = None
@@ -191,6 +193,7 @@ class StepEngine:
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
         self.model, self.policy, self.guard, self.compile_mode = model, policy, guard, mode
+        self.after_step = policy.optimizer_step_hook(model)
         self.last_scale = guard.scale_value()
         self.stats.scale = self.last_scale
 
@@ -252,7 +255,7 @@ class StepEngine:
         return self.optimizer_step(torch.full((), float("nan"), dtype=torch.float32, device=self.device))
 
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
-        """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update."""
+        """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update, ``after_step``."""
         self.settle()  # the previous step's verdict, so the scheduler is right for this one
         params = self.params()
         grads = [p.grad for p in params if p.grad is not None]
@@ -267,6 +270,8 @@ class StepEngine:
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.guard.step(self.optimizer, found_inf)
         self.guard.update()
+        if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales)
+            self.after_step()
         scale = self.guard.scale_tensor()
         # One small tensor carries the verdict, the loss and the scale to the host in one copy.
         verdict = torch.cat([found_inf.reshape(1).float(), loss.reshape(1).float().to(found_inf.device)]

@@ -27,10 +27,10 @@ class PrecisionPolicy:
     """An immutable description of how a training step handles precision.
 
     The Trainer reaches a policy only through ``autocast``, ``make_guard`` (built
-    from ``make_scaler``), ``backend_flags``, ``check_model``, ``prepare_model``
-    and ``memory_format``, plus the attributes ``name``, ``compute_dtype`` and
-    ``keep_fp32``. Subclass it (or one of the concrete policies) to support
-    custom hardware.
+    from ``make_scaler``), ``backend_flags``, ``check_model``, ``prepare_model``,
+    ``prepare_sharding`` (FSDP2 only), ``optimizer_step_hook`` and ``memory_format``,
+    plus the attributes ``name``, ``compute_dtype`` and ``keep_fp32``. Subclass it (or
+    one of the concrete policies) to support custom hardware.
 
     Args:
         tf32: let fp32 matmuls and convolutions use TF32 tensor cores on CUDA.
@@ -139,6 +139,27 @@ class PrecisionPolicy:
             model = model.to(memory_format=memory_format)
         fp32_modules.keep_fp32_(model, self.keep_fp32)
         return model
+
+    def prepare_sharding(self, model: nn.Module) -> nn.Module:
+        """Ready the prepared model for FSDP2's ``fully_shard``, which comes next; unchanged by default.
+
+        It may replace parameters: ``distributed.wrap`` records the optimizer's parameters by name first,
+        and repoints the optimizer at the sharded ones afterwards.
+
+        Args:
+            model: the model ``prepare_model`` returned, not yet sharded.
+        """
+        return model
+
+    def optimizer_step_hook(self, model: nn.Module) -> Callable[[], None] | None:
+        """What to run after each optimizer step (and after a checkpoint loads) on ``model``; None for nothing.
+
+        Asked once per configuration, so the per-step cost of None is one test.
+
+        Args:
+            model: the model as it trains (prepared, and wrapped or sharded if distributed).
+        """
+        return None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,7 +34,7 @@ def _worker(rank, scenario, port, out_dir):
     warnings.filterwarnings("ignore")
     code = 0
     try:
-        SCENARIOS[scenario](rank, out_dir)
+        (SCENARIOS[scenario] if isinstance(scenario, str) else scenario)(rank, out_dir)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -48,6 +48,7 @@ def _worker(rank, scenario, port, out_dir):
 
 
 def run(scenario, tmp_path):
+    """Run ``scenario`` (a name in SCENARIOS, or a module-level function of another test file) in WORLD processes."""
     mp.start_processes(_worker, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
 
 
@@ -253,3 +254,14 @@ def test_distributed_modes_need_a_launcher_or_a_group():
     with pytest.raises(ValueError, match="'auto'"):
         Trainer(model, _optimizer(model), "fp32", device="cpu", distributed="horovod")
     assert Trainer(model, _optimizer(model), "fp32", device="cpu").distributed is None  # auto, one process
+
+
+def test_fsdp_wrap_refuses_an_optimizer_over_other_tensors_before_sharding():
+    from precisionloop import distributed
+
+    model = tiny_mlp()
+    stray = torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
+    with pytest.raises(ValueError, match="only parameters of the model"):
+        distributed.wrap(model, "fsdp", BF16Policy(), torch.device("cpu"), optimizer)
+    assert optimizer.param_groups[0]["params"][-1] is stray and type(model).__name__ == "Sequential"  # not sharded

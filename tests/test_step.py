@@ -313,3 +313,34 @@ def test_no_deprecated_amp_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(), device="cpu")
         trainer.step(batches(1)[0])
+
+
+
+class AfterStepPolicy(BF16Policy):
+    """Records, at each call of its step hook, the first layer's weight."""
+
+    def optimizer_step_hook(self, model):
+        seen = []
+        object.__setattr__(self, "seen", seen)  # frozen dataclass; a fresh record per configuration
+        return lambda: seen.append(model[0].weight.detach().clone())
+
+
+def test_the_policy_step_hook_runs_after_each_optimizer_step_and_each_load(tmp_path):
+    model = tiny_mlp()
+    policy = AfterStepPolicy()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu", grad_accum_steps=2)
+    for batch in batches(4):
+        before = model[0].weight.detach().clone()
+        stepped = trainer.step(batch).due
+        # Once per optimizer step, not per micro-batch; after the step, so it sees the updated weights.
+        assert len(policy.seen) == trainer.global_step
+        if stepped:
+            assert torch.equal(policy.seen[-1], model[0].weight) and not torch.equal(policy.seen[-1], before)
+    assert len(policy.seen) == 2
+    trainer.save(tmp_path / "c.pt")
+    with torch.no_grad():
+        model[0].weight.zero_()
+    trainer.load(tmp_path / "c.pt")
+    assert len(policy.seen) == 3 and torch.equal(policy.seen[2], policy.seen[1])  # after the load: the loaded weights
+    other = tiny_mlp()
+    assert Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), "bf16", device="cpu").engine.after_step is None
