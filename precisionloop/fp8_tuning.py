@@ -127,8 +127,12 @@ def linear_shapes(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module,
 
 
 def _layer_factory(source: nn.Linear, tokens: int, dtype: torch.dtype, device: torch.device,
-                   convert: Callable[[nn.Module], nn.Module], context: Callable[[], contextlib.AbstractContextManager]):
-    """A factory for measure.interleaved: a fresh copy of ``source`` each round, stepping forward + backward."""
+                   convert: Callable[[nn.Module], nn.Module], context: Callable[[], contextlib.AbstractContextManager],
+                   graphed: bool = False):
+    """A factory for measure.interleaved: a fresh copy of ``source`` each round, stepping forward + backward.
+
+    ``graphed``: ``convert`` compiles with CUDA graphs, so each step begins a new graph iteration.
+    """
     def build() -> measure.Run:
         layer = convert(copy.deepcopy(source))
         # A private generator: the same inputs in every round and system, and the caller's RNG untouched.
@@ -137,6 +141,8 @@ def _layer_factory(source: nn.Linear, tokens: int, dtype: torch.dtype, device: t
         grad = []
 
         def step() -> None:
+            if graphed:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten now
             y = layer(x)
             if not grad:  # a random output gradient, as a loss would give, shaped and typed after the output
                 grad.append(torch.randn(y.shape, device=device, dtype=y.dtype, generator=gen))
@@ -168,7 +174,8 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
         iters: timed steps per round and system.
         warmup: untimed steps first (they include the compile, when compiled).
         rounds: interleaved rounds.
-        compile: ``torch.compile`` the fp8 copy (torchao's casts are only fast fused); None means on CUDA.
+        compile: ``torch.compile`` both copies, as the model they will run in is compiled (torchao's
+            casts are only fast fused), on CUDA with CUDA graphs; None means on CUDA.
         dtype: the input dtype the layer sees (see :class:`LinearShape`); its weight's dtype if None.
         timer: a clock for :func:`measure.time_steps` off CUDA; for tests.
 
@@ -186,13 +193,17 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
     source = copy.deepcopy(linear).to(device)
     dtype = dtype or source.weight.dtype
 
-    def to_fp8(layer: nn.Module) -> nn.Module:
-        layer = convert_fp8(layer, config=config)
+    # On CUDA both copies run as CUDA graphs: alone, one layer's step is a few kernels whose launches
+    # (and torchao's casts, as separate kernels) would outweigh the matmuls, while in the compiled
+    # model they sit among the model's other kernels. Graphs time what the GPU does.
+    graphed = compile and device.type == "cuda"
+
+    def compiled(layer: nn.Module) -> nn.Module:
         # dynamic=False: one static graph per shape (fresh copies of one shape reuse it), never a
         # dynamic graph that a second shape would otherwise force on every later layer.
-        return torch.compile(layer, dynamic=False) if compile else layer
+        return torch.compile(layer, dynamic=False, mode="reduce-overhead" if graphed else None) if compile else layer
 
-    def fp8_context() -> contextlib.AbstractContextManager:
+    def context() -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         stack.enter_context(_autocast(device))
         if compile:  # every distinct shape is a recompile; past the default limit of 8 dynamo falls back to eager
@@ -200,11 +211,12 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
             stack.enter_context(torch._dynamo.config.patch(recompile_limit=limit))
         return stack
 
-    systems = {"bf16": _layer_factory(source, tokens, dtype, device, lambda m: m, lambda: _autocast(device)),
-               "fp8": _layer_factory(source, tokens, dtype, device, to_fp8, fp8_context)}
+    systems = {"bf16": _layer_factory(source, tokens, dtype, device, compiled, context, graphed),
+               "fp8": _layer_factory(source, tokens, dtype, device, lambda m: compiled(convert_fp8(m, config=config)),
+                                     context, graphed)}
     results = measure.interleaved(systems, rounds=rounds, iters=iters, warmup=warmup, device=device, timer=timer)
     for m in results.values():
-        m.settings.update(recipe=recipe, emulate=emulate, compile=compile, tokens=tokens)
+        m.settings.update(recipe=recipe, emulate=emulate, compile=compile, cuda_graphs=graphed, tokens=tokens)
     return results["bf16"], results["fp8"]
 
 
@@ -311,7 +323,7 @@ def choose_fp8_layers(model: nn.Module, sample_batch: Any, run: Callable[[nn.Mod
         warmup: untimed steps first.
         rounds: interleaved rounds; at least 2 for a spread worth the name.
         margin: how much faster than bf16's fastest round fp8's slowest must be, as a fraction.
-        compile: compile the fp8 copies; None means on CUDA (see :func:`time_linear`).
+        compile: compile both copies; None means on CUDA (see :func:`time_linear`).
         verbose: print the table.
 
     Returns:

@@ -213,7 +213,11 @@ def test_time_linear_compiles_fresh_fp8_copies_when_asked(monkeypatch):
     monkeypatch.setattr(torch, "compile", eager_compile)
     bf16, fp8 = time_linear(nn.Linear(32, 32), 16, CPU, compile=True, **FAST)
     assert bf16.error is None and fp8.error is None and len(fp8.rounds_ms) == 2
-    assert compiled == [("Float8Linear", {"dynamic": False})] * 2  # the fp8 copy of each round, not bf16's
+    # Both copies of each round, on an equal footing (the model they will run in is compiled too); no CUDA graphs off CUDA.
+    seen = sorted((name, tuple(sorted(kwargs.items()))) for name, kwargs in compiled)
+    options = (("dynamic", False), ("mode", None))
+    assert seen == [("Float8Linear", options)] * 2 + [("Linear", options)] * 2
+    assert fp8.settings["cuda_graphs"] is False
 
 
 def test_real_emulated_choice_end_to_end_prints_a_table():
