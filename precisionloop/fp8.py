@@ -16,7 +16,8 @@ from torch import nn
 from . import fp32_modules
 
 __all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "default_layers", "check_layers",
-           "convert", "config", "converted_layers", "check_converted", "check_unwrapped"]
+           "convert", "config", "is_float8_linear", "converted_layers", "check_converted", "check_unwrapped",
+           "wrap_for_fp8_all_gather", "fp8_all_gather_layers", "precompute_scales"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 """torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``)."""
@@ -77,7 +78,7 @@ def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = 
     """
     if not isinstance(linear, nn.Linear):
         return f"{name or '<root>'} is a {type(linear).__name__}, not an nn.Linear"
-    if type(linear).__name__ == "Float8Linear":
+    if is_float8_linear(linear):
         return "already fp8 (Float8Linear)"
     if not linear.weight.is_floating_point():
         return f"weight dtype {linear.weight.dtype} is not floating point"
@@ -155,9 +156,15 @@ def config(recipe: str, emulate: bool):
     return dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, pad_inner_dim=True)
 
 
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is torchao's Float8Linear, sharded or not, without importing torchao."""
+    # By class name, through the MRO: FSDP2 swaps a sharded module's class for a subclass ("FSDPFloat8Linear").
+    return any(cls.__name__ == "Float8Linear" for cls in type(module).__mro__)
+
+
 def converted_layers(model: nn.Module) -> list[str]:
     """Names of the layers an fp8 policy already converted (torchao's Float8Linear)."""
-    return [name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    return [name for name, m in model.named_modules() if is_float8_linear(m)]
 
 
 def check_converted(model: nn.Module, allowed: Iterable[str] | None) -> None:
@@ -188,3 +195,75 @@ def check_unwrapped(model: nn.Module) -> None:
         raise ValueError("precision 'fp8' converts layers before wrapping: pass the plain model and "
                          "distributed='ddp' or 'fsdp' instead of a model you wrapped yourself")
 
+
+def wrap_for_fp8_all_gather(model: nn.Module) -> list[str]:
+    """Make FSDP2 all-gather the converted layers' weights in fp8 instead of bf16; returns the layers' names.
+
+    Does to each converted layer what torchao's ``Float8Linear.from_float`` does with
+    ``enable_fsdp_float8_all_gather=True``: its weight becomes a new ``nn.Parameter`` over
+    ``WeightWithDynamicFloat8CastTensor``, whose FSDP2 hooks cast each shard to fp8 before the
+    all-gather, and its config says so. Call it just before ``fully_shard``. The old Parameter
+    objects leave the model, so an optimizer that holds them must be repointed (``distributed.wrap``
+    does, by parameter name). Weights already wrapped are left as they are.
+
+    Args:
+        model: the model, its layers already converted by :func:`convert`, not yet sharded.
+
+    Raises:
+        ValueError: before any change: torchao is missing; a converted layer does not scale its weight
+            tensorwise (torchao's fp8 all-gather supports only the ``"tensorwise"`` recipe); or the weights
+            are on the CPU, where FSDP2 runs on gloo, which has no fp8 dtypes, and a layer has no bias
+            (see :func:`_check_gloo`).
+    """
+    require_torchao()
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    layers = [(name, m) for name, m in model.named_modules()
+              if is_float8_linear(m) and not isinstance(m.weight, WeightWithDynamicFloat8CastTensor)]
+    for name, m in layers:
+        cast = m.config.cast_config_weight
+        if cast.scaling_granularity is not ScalingGranularity.TENSORWISE or cast.scaling_type is not ScalingType.DYNAMIC:
+            raise ValueError(f"fp8 all-gather needs tensorwise dynamic weight scaling (the 'tensorwise' recipe); layer "
+                             f"{name!r} scales its weight {cast.short_str()}")
+    _check_gloo(layers)
+    for _, m in layers:
+        m.config = dataclasses.replace(m.config, enable_fsdp_float8_all_gather=True)
+        cast = m.config.cast_config_weight
+        m.weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(m.weight, m.linear_mm_config, cast.target_dtype),
+                                requires_grad=m.weight.requires_grad)
+    return [name for name, _ in layers]
+
+
+def _check_gloo(layers: list[tuple[str, nn.Module]]) -> None:
+    # FSDP2 packs the all-gather inputs of one sharded module into one buffer: uint8 when their dtypes
+    # differ (an fp8 weight and a bias), but fp8 itself when a module holds fp8 weights only, and gloo
+    # (the CPU's backend) refuses fp8 tensors ("Invalid scalar type") at the first forward. A bias-free
+    # layer may be alone in its module, so it is refused here, before anything changes.
+    bare = [name for name, m in layers if m.weight.device.type == "cpu" and m.bias is None]
+    if bare:
+        raise ValueError(f"fp8 all-gather on the CPU runs over gloo, which cannot all-gather fp8 tensors, and FSDP2 "
+                         f"may all-gather the fp8 weight of a layer without a bias alone ({', '.join(bare[:5])}); "
+                         "use FP8Policy(fsdp_float8_all_gather=False) on the CPU")
+
+
+def fp8_all_gather_layers(model: nn.Module) -> list[str]:
+    """Names of the layers FSDP2 all-gathers in fp8: a DTensor weight over ``WeightWithDynamicFloat8CastTensor``."""
+    if not converted_layers(model):
+        return []  # no fp8 layer: no need to import torchao
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    with torch.no_grad():  # to_local() without autograd history on the shard
+        return [name for name, m in model.named_modules() if is_float8_linear(m)
+                and isinstance(m.weight, DTensor) and isinstance(m.weight.to_local(), WeightWithDynamicFloat8CastTensor)]
+
+
+def precompute_scales(model: nn.Module) -> None:
+    """Compute the fp8 scales of every fp8-all-gathered weight of ``model`` in one all-reduce.
+
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp``: without it, each layer's all-gather
+    all-reduces its own weight's amax. Call it whenever the weights change (after an optimizer
+    step, after loading a checkpoint): a scale left from older weights would clip larger ones.
+    """
+    require_torchao().precompute_float8_dynamic_scale_for_fsdp(model)

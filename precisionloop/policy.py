@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import warnings
 from typing import Callable, ClassVar, Iterator
@@ -238,9 +239,14 @@ class FP8Policy(BF16Policy):
             ``None`` converts every one whose dimensions are multiples of 16, except the
             first and the last.
         emulate: emulate the fp8 matmuls in fp32, on any device (for tests; slow).
+        fsdp_float8_all_gather: under ``distributed="fsdp"``, all-gather the converted layers'
+            weights in fp8 (torchao's fp8 all-gather: half bf16's traffic), their scales computed
+            in one all-reduce after each optimizer step. Only the ``"tensorwise"`` recipe can; the
+            others all-gather bf16 and log so. On the CPU (gloo, which has no fp8 dtypes) every
+            converted layer needs a bias, or this must be False.
 
     Raises:
-        ValueError: an unknown recipe.
+        ValueError: an unknown recipe, or a flag that is not True or False.
     """
 
     name: ClassVar[str] = "fp8"
@@ -248,13 +254,15 @@ class FP8Policy(BF16Policy):
     recipe: str = "tensorwise"
     layers: tuple[str, ...] | None = None
     emulate: bool = False
+    fsdp_float8_all_gather: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.recipe not in fp8.RECIPES:
             raise ValueError(f"FP8Policy recipe must be one of {', '.join(fp8.RECIPES)}, got {self.recipe!r}")
-        if not isinstance(self.emulate, bool):
-            raise ValueError(f"emulate must be True or False, got {self.emulate!r}")
+        for flag in ("emulate", "fsdp_float8_all_gather"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.layers is not None:
             if isinstance(self.layers, str) or not all(isinstance(n, str) for n in self.layers):
                 raise ValueError(f"layers must be a tuple of module names, got {self.layers!r}")
@@ -286,6 +294,29 @@ class FP8Policy(BF16Policy):
         model, converted = fp8.convert(model, self.recipe, self.emulate, self.layers)
         log.info("fp8: %d nn.Linear layer(s) converted (%s recipe)", len(converted), self.recipe)
         return model
+
+    def prepare_sharding(self, model: nn.Module) -> nn.Module:
+        """Wrap the converted layers' weights so FSDP2 all-gathers them in fp8 (tensorwise recipe, flag on).
+
+        Raises:
+            ValueError: before any change, as :func:`precisionloop.fp8.wrap_for_fp8_all_gather` says
+                (on the CPU, a converted layer without a bias).
+        """
+        if not self.fsdp_float8_all_gather:
+            return model
+        if self.recipe != "tensorwise":
+            log.info("fp8: FSDP2 all-gathers weights in bf16: fp8 all-gather needs the tensorwise recipe, not %s",
+                     self.recipe)
+            return model
+        wrapped = fp8.wrap_for_fp8_all_gather(model)
+        log.info("fp8: FSDP2 all-gathers %d layer weight(s) in fp8", len(wrapped))
+        return model
+
+    def optimizer_step_hook(self, model: nn.Module) -> Callable[[], None] | None:
+        """Recompute the fp8 all-gather scales in one all-reduce, when the model all-gathers in fp8."""
+        if not fp8.fp8_all_gather_layers(model):
+            return None
+        return functools.partial(fp8.precompute_scales, model)
 
     def check_compile(self, mode: str | None, device_type: str) -> None:
         if mode is None and device_type == "cuda":
