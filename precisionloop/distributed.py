@@ -67,6 +67,8 @@ def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, 
                          "process group; use distributed=None to train in one process")
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # a group the caller started: its current GPU
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL starts, so each rank owns its GPU
     if not initialised:
