@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from precisionloop import FP8Policy, Trainer, autotune, get_policy
+from precisionloop import fp8 as fp8_module
 from precisionloop.measure import format_ratio, paired_ratio
 from precisionloop.recipes import models
 from precisionloop.recipes import resnet18_bench as bench
@@ -107,17 +108,25 @@ def loss_curves(args, device: torch.device) -> dict:
     data = noisy_bigrams(args.loss_steps, args.seq_batch, ref["seq_len"], ref["vocab"], device)
     torch.manual_seed(0)
     init = _stack(ref).state_dict()
+    policies = {"bf16": get_policy("bf16"), "fp8": FP8Policy(emulate=args.tiny)}
+    try:
+        fp8_module.require_torchao()
+        fp8_module.check_device(device, emulate=args.tiny)
+    except ValueError as e:
+        print(f"  fp8 declined, only bf16 runs: {e}")
+        del policies["fp8"]
     curves = {}
-    for name in ("bf16", "fp8"):
+    for name, policy in policies.items():
         model = _stack(ref)
         model.load_state_dict(init)
-        policy = FP8Policy(emulate=True) if name == "fp8" and args.tiny else get_policy(name)
         trainer = Trainer(model, adamw(model.parameters()), policy, device=device, compile=device.type == "cuda",
                           loss_fn=models.lm_loss)
         curves[name] = [float(trainer.step(b).loss) for b in data]
         print(f"  {name}: first loss {curves[name][0]:.4f}, skipped {trainer.stats.skipped}")
     tail = min(20, args.loss_steps)
     ends = {k: statistics.fmean(v[-tail:]) for k, v in curves.items()}
+    if "fp8" not in ends:
+        return {"steps": args.loss_steps, "tail": tail, "end_loss": ends, "relative_gap": None, "curves": curves}
     gap = ends["fp8"] / ends["bf16"] - 1
     print(f"== loss over {args.loss_steps} steps, mean of the last {tail}: bf16 {ends['bf16']:.4f}, fp8 {ends['fp8']:.4f} "
           f"({100 * gap:+.2f}%); last step: bf16 {curves['bf16'][-1]:.4f}, fp8 {curves['fp8'][-1]:.4f}")

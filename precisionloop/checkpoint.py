@@ -167,8 +167,6 @@ def restore_trainer(trainer, state: dict) -> None:
     engine.settle()
     engine.discard_window()  # gradients of an open window belong to the run being replaced
     load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], engine.distributed)
-    if engine.after_step is not None:
-        engine.after_step()  # new weights, as after an optimizer step (fp8 all-gather scales them anew)
     if trainer.scheduler is not None and state.get("scheduler") is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])
     engine.guard.load_state_dict(state.get("scaler"))
@@ -184,6 +182,8 @@ def restore_trainer(trainer, state: dict) -> None:
     loop.rng_epoch_start = state.get("rng_epoch_start")
     per_rank = state.get("rng_per_rank")
     set_rng_state(per_rank[_dist.rank()] if per_rank and len(per_rank) == _dist.world_size() else state["rng"])
+    if engine.after_step is not None:
+        engine.after_step()  # new weights, as after an optimizer step (fp8 all-gather scales them anew), last
 
 
 def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, source: str, scheduler=None) -> None:
@@ -226,11 +226,33 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: 
     full = distributed == "fsdp"
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     if optimizer.state:
-        return get_state_dict(model, optimizer, options=options)
+        return _plain(get_state_dict(model, optimizer, options=options))
     names = {id(p): n for n, p in _dist.unwrap(model).named_parameters()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
-    return get_model_state_dict(model, options=options), {"state": {}, "param_groups": groups}
+    return _plain(get_model_state_dict(model, options=options)), {"state": {}, "param_groups": groups}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` (nested dicts, lists, tuples) with tensor subclasses replaced by the plain tensors they wrap.
+
+    A weight FSDP2 all-gathers in fp8 is torchao's wrapper subclass, and under one process FSDP2's
+    full state dict keeps it: saved as is, the checkpoint would load only where torchao is imported.
+    """
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, nn.Parameter) or isinstance(value, DTensor):
+        return value  # a DTensor (a sharded layout) is left to torch.distributed.checkpoint
+    inner_names, _ = value.__tensor_flatten__() if hasattr(value, "__tensor_flatten__") else ([], None)
+    for name in inner_names:  # the wrapped tensor: same shape and dtype as the wrapper
+        inner = getattr(value, name)
+        if isinstance(inner, torch.Tensor) and inner.shape == value.shape and inner.dtype == value.dtype:
+            return _plain(inner)
+    raise ValueError(f"cannot save a {type(value).__name__} tensor as a plain tensor: no wrapped tensor of its shape")
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict,

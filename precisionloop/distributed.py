@@ -85,11 +85,14 @@ FSDP_FUSED = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, mode: str | None) -> None:
-    """Refuse, at construction, a fused optimizer that FSDP2's sharded parameters would crash at the first step.
+    """Refuse, at construction, an optimizer FSDP2 cannot take: one with state, or a fused one its DTensors would crash.
 
     Raises:
-        ValueError: naming the optimizer and the fused optimizers that work.
+        ValueError: the optimizer has state (FSDP2 replaces the parameters); or naming the fused optimizer
+            and the fused optimizers that work.
     """
+    if mode == "fsdp" and optimizer.state:
+        raise ValueError("distributed='fsdp' replaces the parameters: build the Trainer before the optimizer has state")
     if mode == "fsdp" and any(g.get("fused") for g in optimizer.param_groups) and type(optimizer) not in FSDP_FUSED:
         raise ValueError(
             f"distributed='fsdp' cannot run a fused {type(optimizer).__name__}: FSDP2 shards parameters into "
@@ -141,7 +144,13 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
     if any(n is None for group in held for n in group):
         raise ValueError("distributed='fsdp' repoints the optimizer at the sharded parameters by name, so it must "
                          "hold only parameters of the model")
-    model = _shard(policy.prepare_sharding(model), policy)
+    model = policy.prepare_sharding(model)
+    ready = {n for n, _ in model.named_parameters()}
+    missing = [n for group in held for n in group if n not in ready]
+    if missing:
+        raise ValueError(f"{type(policy).__name__}.prepare_sharding returned a model without parameter(s) "
+                         f"{', '.join(missing[:3])} that the optimizer holds; it must keep the parameter names")
+    model = _shard(model, policy)
     sharded = dict(model.named_parameters())
     for group, group_names in zip(optimizer.param_groups, held):
         group["params"] = [sharded[n] for n in group_names]

@@ -270,8 +270,6 @@ class StepEngine:
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.guard.step(self.optimizer, found_inf)
         self.guard.update()
-        if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales)
-            self.after_step()
         scale = self.guard.scale_tensor()
         # One small tensor carries the verdict, the loss and the scale to the host in one copy.
         verdict = torch.cat([found_inf.reshape(1).float(), loss.reshape(1).float().to(found_inf.device)]
@@ -282,6 +280,8 @@ class StepEngine:
         self.micro, self.unsynced = 0, False
         self.global_step += 1
         self._book_later(verdict)
+        if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales), once booked
+            self.after_step()
         return StepResult(loss, due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
 
     def _book_later(self, verdict: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ from . import fp32_modules
 
 __all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "default_layers", "check_layers",
            "convert", "config", "is_float8_linear", "converted_layers", "check_converted", "check_unwrapped",
-           "wrap_for_fp8_all_gather", "fp8_all_gather_layers", "precompute_scales"]
+           "wrap_for_fp8_all_gather", "check_all_gather", "fp8_all_gather_layers", "precompute_scales"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 """torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``)."""
@@ -212,8 +212,8 @@ def wrap_for_fp8_all_gather(model: nn.Module) -> list[str]:
     Raises:
         ValueError: before any change: torchao is missing; a converted layer does not scale its weight
             tensorwise (torchao's fp8 all-gather supports only the ``"tensorwise"`` recipe); or the weights
-            are on the CPU, where FSDP2 runs on gloo, which has no fp8 dtypes, and a layer has no bias
-            (see :func:`_check_gloo`).
+            are on the CPU, where FSDP2 runs on gloo, which has no fp8 dtypes, and a layer has no bias; or a
+            weight is shared with a module that is not converted (see :func:`check_all_gather`).
     """
     require_torchao()
     from torchao.float8.config import ScalingGranularity, ScalingType
@@ -226,21 +226,52 @@ def wrap_for_fp8_all_gather(model: nn.Module) -> list[str]:
         if cast.scaling_granularity is not ScalingGranularity.TENSORWISE or cast.scaling_type is not ScalingType.DYNAMIC:
             raise ValueError(f"fp8 all-gather needs tensorwise dynamic weight scaling (the 'tensorwise' recipe); layer "
                              f"{name!r} scales its weight {cast.short_str()}")
-    _check_gloo(layers)
+    if layers:
+        check_all_gather(model, [name for name, _ in layers], layers[0][1].weight.device)
+    wrapped: dict[int, nn.Parameter] = {}  # one new Parameter per weight: converted layers that share one stay tied
     for _, m in layers:
         m.config = dataclasses.replace(m.config, enable_fsdp_float8_all_gather=True)
-        cast = m.config.cast_config_weight
-        m.weight = nn.Parameter(WeightWithDynamicFloat8CastTensor(m.weight, m.linear_mm_config, cast.target_dtype),
-                                requires_grad=m.weight.requires_grad)
+        weight = m.weight
+        if id(weight) not in wrapped:
+            cast = m.config.cast_config_weight
+            wrapped[id(weight)] = nn.Parameter(WeightWithDynamicFloat8CastTensor(weight, m.linear_mm_config,
+                                                                                 cast.target_dtype),
+                                               requires_grad=weight.requires_grad)
+        m.weight = wrapped[id(weight)]
     return [name for name, _ in layers]
 
 
-def _check_gloo(layers: list[tuple[str, nn.Module]]) -> None:
+def check_all_gather(model: nn.Module, names: Iterable[str], device: torch.device) -> None:
+    """Raise unless FSDP2 can all-gather the weights of layers ``names`` of ``model`` in fp8 on ``device``.
+
+    Works before the layers are converted (the Trainer checks at construction, before any change)
+    and after (:func:`wrap_for_fp8_all_gather` checks again).
+
+    Raises:
+        ValueError: a layer's weight is shared with a module that is not among ``names`` (a tied
+            embedding and head, say): the fp8 all-gather gives each converted weight a new
+            Parameter, which would untie them. Or, on the CPU, where FSDP2 runs on gloo, a layer
+            has no bias (see below).
+    """
+    modules = dict(model.named_modules())
+    layers = [(name, modules[name]) for name in names if name in modules]
+    chosen = {id(m) for _, m in layers}
+    owners: dict[int, list[str]] = {}
+    for owner_name, owner in model.named_modules(remove_duplicate=False):
+        if id(owner) not in chosen:
+            for p in owner.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(owner_name or "<root>")
+    tied = [(name, owners[id(m.weight)][0]) for name, m in layers if id(m.weight) in owners]
+    if tied:
+        name, other = tied[0]
+        raise ValueError(f"layer {name!r} shares its weight with {other!r}, which is not converted to fp8; FSDP2's fp8 "
+                         "all-gather would untie them. Convert both (FP8Policy(layers=...)) or pass "
+                         "FP8Policy(fsdp_float8_all_gather=False)")
     # FSDP2 packs the all-gather inputs of one sharded module into one buffer: uint8 when their dtypes
     # differ (an fp8 weight and a bias), but fp8 itself when a module holds fp8 weights only, and gloo
     # (the CPU's backend) refuses fp8 tensors ("Invalid scalar type") at the first forward. A bias-free
-    # layer may be alone in its module, so it is refused here, before anything changes.
-    bare = [name for name, m in layers if m.weight.device.type == "cpu" and m.bias is None]
+    # layer may be alone in its module, so it is refused here.
+    bare = [name for name, m in layers if torch.device(device).type == "cpu" and m.bias is None]
     if bare:
         raise ValueError(f"fp8 all-gather on the CPU runs over gloo, which cannot all-gather fp8 tensors, and FSDP2 "
                          f"may all-gather the fp8 weight of a layer without a bias alone ({', '.join(bare[:5])}); "

@@ -161,7 +161,8 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
     """Time one Linear's forward + backward at ``tokens`` rows, in bf16 and in fp8, in interleaved rounds.
 
     Each round builds fresh copies of ``linear`` (weights as they are, so fp32 master weights stay
-    fp32): one run as is, one converted with ``convert_to_float8_training``; both step under bf16
+    fp32): one as is, one converted with ``convert_to_float8_training``, both compiled if ``compile``
+    (on CUDA as CUDA graphs, which take at least 3 warm-up steps to record); both step under bf16
     autocast on random inputs that require grad, with a random output gradient, and zero their
     gradients after every step. ``linear`` itself is not touched.
 
@@ -197,6 +198,8 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
     # (and torchao's casts, as separate kernels) would outweigh the matmuls, while in the compiled
     # model they sit among the model's other kernels. Graphs time what the GPU does.
     graphed = compile and device.type == "cuda"
+    if graphed:
+        warmup = max(warmup, 3)  # CUDA-graph trees: a warm-up run, then a recording, then replays worth timing
 
     def compiled(layer: nn.Module) -> nn.Module:
         # dynamic=False: one static graph per shape (fresh copies of one shape reuse it), never a

@@ -29,7 +29,7 @@ class PrecisionPolicy:
 
     The Trainer reaches a policy only through ``autocast``, ``make_guard`` (built
     from ``make_scaler``), ``backend_flags``, ``check_model``, ``prepare_model``,
-    ``prepare_sharding`` (FSDP2 only), ``optimizer_step_hook`` and ``memory_format``,
+    ``check_sharding`` and ``prepare_sharding`` (FSDP2 only), ``optimizer_step_hook`` and ``memory_format``,
     plus the attributes ``name``, ``compute_dtype`` and ``keep_fp32``. Subclass it (or
     one of the concrete policies) to support custom hardware.
 
@@ -152,10 +152,22 @@ class PrecisionPolicy:
         """
         return model
 
+    def check_sharding(self, model: nn.Module, device: torch.device) -> None:
+        """Raise, before anything changes, if ``prepare_sharding`` would refuse ``model``; nothing by default.
+
+        The Trainer calls it at construction under ``distributed="fsdp"``, after :meth:`check_model`.
+
+        Args:
+            model: the user's model, not yet prepared.
+            device: where it will train.
+        """
+
     def optimizer_step_hook(self, model: nn.Module) -> Callable[[], None] | None:
         """What to run after each optimizer step (and after a checkpoint loads) on ``model``; None for nothing.
 
-        Asked once per configuration, so the per-step cost of None is one test.
+        Asked once per configuration, so the per-step cost of None is one test. It runs after the
+        step's bookkeeping, after skipped steps too (the weights did not change then; it must be
+        harmless to run again).
 
         Args:
             model: the model as it trains (prepared, and wrapped or sharded if distributed).
@@ -243,7 +255,11 @@ class FP8Policy(BF16Policy):
             weights in fp8 (torchao's fp8 all-gather: half bf16's traffic), their scales computed
             in one all-reduce after each optimizer step. Only the ``"tensorwise"`` recipe can; the
             others all-gather bf16 and log so. On the CPU (gloo, which has no fp8 dtypes) every
-            converted layer needs a bias, or this must be False.
+            converted layer needs a bias, or this must be False. A converted weight shared with a
+            module that is not converted is refused (the all-gather would untie them). Weights
+            changed outside the Trainer's steps and loads (``model.load_state_dict``, an EMA swap)
+            keep the old weights' all-gather scales until the next optimizer step, which can clip
+            them: change them through ``Trainer.load``.
 
     Raises:
         ValueError: an unknown recipe, or a flag that is not True or False.
@@ -276,7 +292,7 @@ class FP8Policy(BF16Policy):
             fp8.check_device(device, self.emulate)
         fp8.check_layers(model, self.layers)
         kept = {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
-        both = [n for n in self.layers or () if any(n == k or n.startswith(f"{k}.") or k == "" for k in kept)]
+        both = [n for n in self.layers or () if _inside(n, kept)]
         if both:
             raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
         fp8.check_converted(model, allowed=self.layers)
@@ -302,15 +318,26 @@ class FP8Policy(BF16Policy):
             ValueError: before any change, as :func:`precisionloop.fp8.wrap_for_fp8_all_gather` says
                 (on the CPU, a converted layer without a bias).
         """
-        if not self.fsdp_float8_all_gather:
-            return model
-        if self.recipe != "tensorwise":
-            log.info("fp8: FSDP2 all-gathers weights in bf16: fp8 all-gather needs the tensorwise recipe, not %s",
-                     self.recipe)
+        if not self._fp8_all_gather():
             return model
         wrapped = fp8.wrap_for_fp8_all_gather(model)
         log.info("fp8: FSDP2 all-gathers %d layer weight(s) in fp8", len(wrapped))
         return model
+
+    def check_sharding(self, model: nn.Module, device: torch.device) -> None:
+        """Refuse, before the conversion, layers whose weights FSDP2 could not all-gather in fp8 (see ``prepare_sharding``)."""
+        if not self._fp8_all_gather(quiet=True):
+            return
+        kept = {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
+        planned = fp8.default_layers(model) if self.layers is None else self.layers
+        fp8.check_all_gather(model, [n for n in planned if not _inside(n, kept)], device)
+
+    def _fp8_all_gather(self, quiet: bool = False) -> bool:
+        """Whether FSDP2 all-gathers the converted weights in fp8: the flag is on and the recipe can."""
+        if self.fsdp_float8_all_gather and self.recipe != "tensorwise" and not quiet:
+            log.info("fp8: FSDP2 all-gathers weights in bf16: fp8 all-gather needs the tensorwise recipe, not %s",
+                     self.recipe)
+        return self.fsdp_float8_all_gather and self.recipe == "tensorwise"
 
     def optimizer_step_hook(self, model: nn.Module) -> Callable[[], None] | None:
         """Recompute the fp8 all-gather scales in one all-reduce, when the model all-gathers in fp8."""
@@ -322,6 +349,11 @@ class FP8Policy(BF16Policy):
         if mode is None and device_type == "cuda":
             warnings.warn("fp8 without torch.compile is known to be slower than bf16 (torchao's casts run "
                           "eagerly); pass compile=True", UserWarning, stacklevel=4)
+
+
+def _inside(name: str, modules: set[str]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one ("" is the root, which holds every module)."""
+    return any(name == k or name.startswith(f"{k}.") or k == "" for k in modules)
 
 
 # The one precision table: canonical name -> factory, then every accepted spelling.

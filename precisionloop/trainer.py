@@ -108,6 +108,8 @@ class Trainer:
         self.device = _as_device(device)
         policy = get_policy(precision, self.device)
         policy.check_model(model, self.device)
+        if self.distributed == "fsdp":
+            policy.check_sharding(model, self.device)
         _check_master_weights(model, policy)
         _check_optimizer(model, optimizer)
         _dist.check_optimizer(optimizer, self.distributed)

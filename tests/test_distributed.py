@@ -25,8 +25,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, scenario, port, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+def _worker(rank, scenario, port, out_dir, world=WORLD):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
     import traceback
     import warnings
@@ -47,9 +47,9 @@ def _worker(rank, scenario, port, out_dir):
     os._exit(code)
 
 
-def run(scenario, tmp_path):
-    """Run ``scenario`` (a name in SCENARIOS, or a module-level function of another test file) in WORLD processes."""
-    mp.start_processes(_worker, args=(scenario, _free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+def run(scenario, tmp_path, world=WORLD):
+    """Run ``scenario`` (a name in SCENARIOS, or a module-level function of another test file) in ``world`` processes."""
+    mp.start_processes(_worker, args=(scenario, _free_port(), str(tmp_path), world), nprocs=world, start_method="spawn")
 
 
 def _optimizer(model):

@@ -8,6 +8,8 @@ fp8, which gloo refuses; ``fp8.wrap_for_fp8_all_gather`` refuses it first (teste
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 from test_distributed import WORLD, run
 
 from precisionloop import BF16Policy, FP8Policy, PrecisionPolicy, Trainer
+from precisionloop import distributed as _dist
 from precisionloop import fp8 as fp8_module
 
 pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'precisionloop[fp8]')")
@@ -235,3 +238,101 @@ def test_prepare_sharding_wraps_the_converted_weights_once():
 def test_the_base_policy_shards_the_model_as_it_is_with_no_step_hook():
     model = net()
     assert PrecisionPolicy().prepare_sharding(model) is model and BF16Policy().optimizer_step_hook(model) is None
+
+
+def tied(seed=0):
+    """Layers "2" and "4" share one weight."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 16))
+    torch.manual_seed(seed)
+    model[4].weight = model[2].weight
+    return model
+
+
+def test_converted_layers_sharing_a_weight_stay_tied():
+    model = FP8Policy(emulate=True, layers=("2", "4")).prepare_model(tied())
+    assert fp8_module.wrap_for_fp8_all_gather(model) == ["2", "4"]
+    assert model[2].weight is model[4].weight and isinstance(model[2].weight, WeightWithDynamicFloat8CastTensor)
+    assert len(list(model.parameters())) == 7  # one shared weight, as before
+
+
+def test_a_weight_shared_with_an_unconverted_module_is_refused_before_any_change():
+    model = tied()
+    with pytest.raises(ValueError, match=r"'2' shares its weight with '4'.*fsdp_float8_all_gather=False"):
+        FP8Policy(emulate=True, layers=("2",)).check_sharding(model, torch.device("cpu"))
+    converted = FP8Policy(emulate=True, layers=("2",)).prepare_model(tied())
+    shared = converted[2].weight
+    with pytest.raises(ValueError, match="shares its weight"):
+        fp8_module.wrap_for_fp8_all_gather(converted)
+    assert converted[2].weight is shared is converted[4].weight  # nothing wrapped
+    FP8Policy(emulate=True, layers=("2",), fsdp_float8_all_gather=False).check_sharding(model, torch.device("cpu"))
+
+
+def fp8_one_process_checkpoint(rank, out_dir):
+    trainer = _trainer(FP8Policy(emulate=True, layers=LAYERS))
+    for batch in data(2):
+        trainer.step(batch)
+    path = trainer.save(os.path.join(out_dir, "fp8.pt"))
+    state = torch.load(path, weights_only=True)
+    tensors = list(state["model"].values()) + [v for s in state["optimizer"]["state"].values() for v in s.values()
+                                               if isinstance(v, torch.Tensor)]
+    with open(os.path.join(out_dir, "types.txt"), "w") as f:
+        f.write(",".join(sorted({type(t).__name__ for t in tensors})))
+
+
+def test_a_one_process_fsdp_fp8_checkpoint_holds_plain_tensors_that_load_without_torchao(tmp_path):
+    # FSDP2's full state dict keeps torchao's wrapper subclass in one process (not over two): saved as
+    # is, the checkpoint would load only where torchao is imported.
+    run(fp8_one_process_checkpoint, tmp_path, world=1)
+    assert (tmp_path / "types.txt").read_text() == "Tensor"
+    code = ("import sys, torch; s = torch.load(sys.argv[1], weights_only=True); "
+            "assert 'torchao' not in sys.modules; print(sorted(s['model']))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fp8.pt")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "0.weight" in out.stdout
+
+
+def fp8_refusals_before_any_change(rank, out_dir):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32, bias=False), nn.ReLU(), nn.Linear(32, 16))
+    optimizer = torch.optim.Adam(model.parameters())
+    weights = [p for p in model.parameters()]
+    try:
+        Trainer(model, optimizer, FP8Policy(emulate=True, layers=LAYERS), device="cpu", distributed="fsdp")
+        raise AssertionError("a bias-free fp8 layer on the CPU was accepted")
+    except ValueError as e:
+        assert "gloo" in str(e), e
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear, nn.ReLU, nn.Linear]  # not converted
+    assert list(model.parameters()) == weights and optimizer.param_groups[0]["params"] == weights
+    assert "fused" not in optimizer.param_groups[0] or not optimizer.param_groups[0]["fused"]
+    # The message's advice works on the same model and optimizer.
+    Trainer(model, optimizer, FP8Policy(emulate=True, layers=LAYERS, fsdp_float8_all_gather=False), device="cpu",
+            distributed="fsdp")
+
+    class Rewrapping(BF16Policy):
+        def prepare_sharding(self, model):
+            return nn.Sequential(model)  # new parameter names: the optimizer could not be repointed
+
+    other = net()
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1)
+    try:
+        Trainer(other, sgd, Rewrapping(), device="cpu", distributed="fsdp")
+        raise AssertionError("a prepare_sharding that renames the parameters was accepted")
+    except ValueError as e:
+        assert "must keep the parameter names" in str(e), e
+    assert type(other) is nn.Sequential and all(type(p) is nn.Parameter for p in sgd.param_groups[0]["params"])
+    open(os.path.join(out_dir, "ok"), "w").close()
+
+
+def test_fsdp_refusals_come_before_the_model_or_optimizer_change(tmp_path):
+    run(fp8_refusals_before_any_change, tmp_path, world=1)
+    assert (tmp_path / "ok").exists()
+
+
+def test_an_optimizer_with_state_is_refused_under_fsdp_at_construction():
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="before the optimizer has state"):
+        _dist.check_optimizer(optimizer, "fsdp")
+    _dist.check_optimizer(optimizer, "ddp")

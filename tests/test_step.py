@@ -315,7 +315,6 @@ def test_no_deprecated_amp_warnings():
         trainer.step(batches(1)[0])
 
 
-
 class AfterStepPolicy(BF16Policy):
     """Records, at each call of its step hook, the first layer's weight."""
 
@@ -344,3 +343,42 @@ def test_the_policy_step_hook_runs_after_each_optimizer_step_and_each_load(tmp_p
     assert len(policy.seen) == 3 and torch.equal(policy.seen[2], policy.seen[1])  # after the load: the loaded weights
     other = tiny_mlp()
     assert Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), "bf16", device="cpu").engine.after_step is None
+
+
+class BookkeepingProbe(BF16Policy):
+    """Its step hook records what the Trainer had booked when it ran: optimizer steps and skipped steps."""
+
+    def optimizer_step_hook(self, model):
+        seen = []
+        object.__setattr__(self, "seen", seen)
+        return lambda: seen.append((self.trainer.global_step, self.trainer.stats.skipped))
+
+
+def test_the_step_hook_runs_after_the_bookkeeping_and_after_skipped_steps_too():
+    model = tiny_mlp()
+    policy = BookkeepingProbe()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
+    object.__setattr__(policy, "trainer", trainer)
+    good, bad = batches(2)
+    trainer.step(good)
+    bad = (torch.full_like(bad[0], float("inf")), bad[1])  # non-finite gradients: the step is skipped
+    assert not trainer.step(bad).stepped
+    # On the CPU the verdict is booked at once: the hook saw each step counted, the skipped one as skipped.
+    assert policy.seen == [(1, 0), (2, 1)]
+
+
+def test_a_raising_step_hook_leaves_a_load_whole(tmp_path):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
+    for batch in batches(2):
+        trainer.step(batch)
+    trainer.save(tmp_path / "c.pt")
+    trainer.step(batches(3)[2])
+
+    def broken():
+        raise RuntimeError("hook failed")
+
+    trainer.engine.after_step = broken
+    with pytest.raises(RuntimeError, match="hook failed"):
+        trainer.load(tmp_path / "c.pt")
+    assert trainer.global_step == 2  # everything else was restored before the hook ran
