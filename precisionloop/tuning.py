@@ -208,8 +208,7 @@ def autotune(
     results = _judge(runs, trials, timings, tolerance)
     accepted = [r for r in results if r.rejected is None and r.candidate in candidates]
     if not accepted:
-        raise RuntimeError("autotune: every candidate was rejected:\n" + "\n".join(
-            f"  {r.candidate.label}: {r.rejected}" for r in results if r.candidate in candidates))
+        raise RuntimeError(_all_rejected([r for r in results if r.candidate in candidates], tolerance, steps + warmup))
     best = _choose(accepted, model, device)
     outcome = AutotuneResult(best, best.policy(device), [r for r in results if r.candidate in candidates], tolerance)
     log.info("autotune chose %s", best.label)
@@ -304,6 +303,25 @@ def _judge(runs: list[Candidate], trials: dict, timings: dict, tolerance: float)
                 result.rejected = f"loss drift {result.drift:.2e} > {tolerance:g}"
         results.append(result)
     return results
+
+
+def _all_rejected(results: list[CandidateResult], tolerance: float, steps: int) -> str:
+    """The error when no candidate is left: each one's reason, and a way out when only the loss drift stopped them."""
+    lines = [f"  {r.candidate.label}: {r.rejected}" for r in results]
+    if all(r.drift is not None and math.isfinite(r.drift) and r.rejected.startswith("loss drift") for r in results):
+        drifts = sorted(r.drift for r in results)
+        lines.append(f"every candidate's loss parted from strict fp32's by more than tolerance={tolerance:g} of the "
+                     f"first loss (the closest by {drifts[0]:.2g}) over {steps} steps on one sample batch. A model "
+                     "that memorises its batch fast amplifies any rounding difference that way; if the curves "
+                     f"both fall, raise tolerance (e.g. tolerance={_round_up(drifts[0]):g}) or time fewer steps, "
+                     "and pass the chosen policy to the Trainer")
+    return "autotune: every candidate was rejected:\n" + "\n".join(lines)
+
+
+def _round_up(value: float) -> float:
+    """``value`` rounded up to one significant digit, for a suggestion: 0.217 -> 0.3."""
+    magnitude = 10 ** math.floor(math.log10(value))
+    return math.ceil(value / magnitude) * magnitude
 
 
 def _choose(accepted: list[CandidateResult], model: nn.Module, device: torch.device) -> Candidate:

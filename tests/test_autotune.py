@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import tiny_cnn, tiny_mlp
+from conftest import batches, tiny_cnn, tiny_mlp
 
 from precisionloop import Candidate, autotune
 from precisionloop.tuning import default_candidates
@@ -45,9 +45,22 @@ def test_rejects_skipping_and_drifting_candidates(capsys):
         def forward(self, x):
             return self.linear(x) * 1e6
 
-    with pytest.raises(RuntimeError, match="every candidate was rejected"):
+    with pytest.raises(RuntimeError, match="every candidate was rejected") as caught:
         autotune(Exploding(), lambda p: torch.optim.SGD(p, lr=10.0), batch, [Candidate("fp16")], device="cpu",
                  steps=2, warmup=1, verbose=False)
+    assert "raise tolerance" not in str(caught.value)  # skipped steps are no rounding difference
+
+
+def test_when_only_the_loss_drift_rejects_every_candidate_the_error_says_how_to_go_on():
+    batch = batches(1, batch_size=16)[0]
+    with pytest.raises(RuntimeError, match=r"(?s)bf16: loss drift.*raise tolerance \(e\.g\. tolerance=0\.00\d+\)") as caught:
+        autotune(tiny_mlp(), lambda p: torch.optim.SGD(p, lr=0.1), batch, [Candidate("bf16")], device="cpu",
+                 steps=2, warmup=1, tolerance=1e-7, verbose=False)
+    suggested = float(str(caught.value).split("tolerance=")[-1].split(")")[0])
+    # The suggestion lets the closest candidate through.
+    result = autotune(tiny_mlp(), lambda p: torch.optim.SGD(p, lr=0.1), batch, [Candidate("bf16")], device="cpu",
+                      steps=2, warmup=1, tolerance=suggested, verbose=False)
+    assert result.best.precision == "bf16"
 
 
 def test_default_candidates_cover_layouts_for_conv_models_only():
