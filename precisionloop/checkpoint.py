@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from torch import nn
 
 from . import distributed as _dist
 from . import fp32_modules
+from .policy import PrecisionPolicy, get_policy
 
 FORMAT = "precisionloop-checkpoint"
 VERSION = 1
@@ -150,15 +152,65 @@ def trainer_state(trainer) -> dict:
     }
 
 
-def policy_record(policy) -> dict:
-    """What a checkpoint records of the policy: its name, and the modules it keeps in fp32."""
-    return {"precision": policy.name, "keep_fp32": fp32_modules.entry_names(policy.keep_fp32)}
+def policy_record(policy: PrecisionPolicy) -> dict:
+    """What a checkpoint records of the policy: its name, the modules it keeps in fp32, and its other settings."""
+    return {"precision": policy.name, "keep_fp32": fp32_modules.entry_names(policy.keep_fp32),
+            "options": policy_options(policy)}
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def policy_options(policy: PrecisionPolicy) -> dict:
+    """The policy's settings but ``keep_fp32`` as plain values (tuples as lists); fields of other types are left out."""
+    options = {}
+    for field in dataclasses.fields(policy):
+        value = getattr(policy, field.name)
+        if not field.init or not field.compare or field.name == "keep_fp32":
+            continue
+        if isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value):
+            options[field.name] = list(value)
+        elif isinstance(value, _PLAIN):
+            options[field.name] = value
+    return options
 
 
 def precision_of(state: dict) -> str:
-    """The precision a checkpoint (or :func:`policy_record`) names, with ``keep_fp32`` when set, for messages."""
+    """The precision a checkpoint (or :func:`policy_record`) names, with its non-default settings, for messages."""
     keep = state.get("keep_fp32") or []
-    return repr(state.get("precision")) + (f" keeping {', '.join(keep)} in fp32" if keep else "")
+    try:
+        defaults = policy_options(get_policy(state.get("precision")))
+    except ValueError:  # a custom policy's name: every setting is news
+        defaults = {}
+    changed = [f"{k}={v!r}" for k, v in (state.get("options") or {}).items() if k not in defaults or defaults[k] != v]
+    return (repr(state.get("precision")) + (f" ({', '.join(changed)})" if changed else "")
+            + (f" keeping {', '.join(keep)} in fp32" if keep else ""))
+
+
+def policy_from_record(state: dict, device: torch.device) -> PrecisionPolicy:
+    """The policy a checkpoint (or :func:`policy_record`) was saved under, settings and ``keep_fp32`` included.
+
+    A ``keep_fp32`` class is found among the modules already imported (nothing is imported for a
+    checkpoint); a name that is not one stays a module-name pattern.
+
+    Raises:
+        ValueError: the precision is unknown here, or its policy does not take a recorded setting.
+    """
+    policy = get_policy(state.get("precision"), device)
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in (state.get("options") or {}).items()}
+    keep = tuple(_keep_entry(name) for name in state.get("keep_fp32") or ())
+    try:
+        return dataclasses.replace(policy, **options, keep_fp32=keep)
+    except TypeError as e:
+        raise ValueError(f"the checkpoint's precision {state.get('precision')!r} records settings "
+                         f"{', '.join(sorted(options))} that {type(policy).__name__} does not take ({e})") from None
+
+
+def _keep_entry(name: str) -> Any:
+    module_name, _, qualname = name.rpartition(".")
+    module = sys.modules.get(module_name)
+    found = getattr(module, qualname, None) if module is not None and qualname else None
+    return found if isinstance(found, type) and issubclass(found, nn.Module) else name
 
 
 def restore_trainer(trainer, state: dict) -> None:

@@ -80,6 +80,15 @@ def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = 
         return f"{name or '<root>'} is a {type(linear).__name__}, not an nn.Linear"
     if is_float8_linear(linear):
         return "already fp8 (Float8Linear)"
+    # Conversion replaces the module with torchao's Float8Linear, built from the weight and bias alone:
+    # a subclass's own forward (MultiheadAttention's out_proj, a LoRA layer), a parametrization or a
+    # hook (weight_norm, pruning) would be lost, or the swap would fail half-way through the model.
+    if type(linear) is not nn.Linear:
+        return f"a {type(linear).__name__}, a subclass of nn.Linear whose own behaviour fp8's Float8Linear would drop"
+    hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+             if getattr(linear, kind, None)]
+    if hooks:
+        return f"it has {', '.join(h.strip('_').replace('_', ' ') for h in hooks)}, which fp8's Float8Linear would drop"
     if not linear.weight.is_floating_point():
         return f"weight dtype {linear.weight.dtype} is not floating point"
     for what, size in (("in_features", linear.in_features), ("out_features", linear.out_features)):

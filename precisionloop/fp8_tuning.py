@@ -18,6 +18,8 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import random
+import sys
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
@@ -114,7 +116,7 @@ def linear_shapes(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module,
                for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), _autocast(device):
+        with torch.random.fork_rng(devices=devices), _python_rng_kept(), torch.no_grad(), _autocast(device):
             run(model, sample_batch)
     finally:
         for handle in handles:
@@ -124,6 +126,29 @@ def linear_shapes(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module,
                 if name in saved:
                     b.copy_(saved[name])
     return {name: LinearShape(tuple(counts), *rest) for name, (counts, *rest) in seen.items()}
+
+
+@contextlib.contextmanager
+def _python_rng_kept():
+    """Restore Python's and (if imported) numpy's random state afterwards; ``run`` may draw from them (dropout-like code)."""
+    state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def _check_counts(**counts: Any) -> None:
+    """Raise ValueError unless each count is an int (not a bool) at or above its minimum (``name=(value, minimum)``)."""
+    bad = [f"{name}={value!r}" for name, (value, low) in counts.items()
+           if isinstance(value, bool) or not isinstance(value, int) or value < low]
+    if bad:
+        wanted = ", ".join(f"{name} >= {low}" for name, (_, low) in counts.items())
+        raise ValueError(f"need integers {wanted}; got {', '.join(bad)}")
 
 
 def _layer_factory(source: nn.Linear, tokens: int, dtype: torch.dtype, device: torch.device,
@@ -184,8 +209,12 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
         (bf16, fp8) :class:`measure.Measurement` s; a failing system has ``error`` set and no rounds.
 
     Raises:
-        ValueError: torchao is missing, the recipe is unknown, or bad counts (see :func:`measure.interleaved`).
+        ValueError: ``linear`` is not an ``nn.Linear``, ``tokens`` is not a positive integer, torchao is
+            missing, the recipe is unknown, or bad counts (see :func:`measure.interleaved`).
     """
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"time_linear times an nn.Linear, got a {type(linear).__name__}")
+    _check_counts(tokens=(tokens, 1), rounds=(rounds, 1), iters=(iters, 1), warmup=(warmup, 0))
     device = torch.device(device)
     emulate = device.type != "cuda" if emulate is None else emulate
     compile = device.type == "cuda" if compile is None else compile
@@ -337,9 +366,9 @@ def choose_fp8_layers(model: nn.Module, sample_batch: Any, run: Callable[[nn.Mod
     """
     device = torch.device(device)
     emulate = device.type != "cuda" if emulate is None else emulate
-    if rounds < 1 or iters < 1 or warmup < 0 or not 0 <= margin < 1:
-        raise ValueError(f"need rounds >= 1, iters >= 1, warmup >= 0 and 0 <= margin < 1; "
-                         f"got {rounds}, {iters}, {warmup}, {margin}")
+    _check_counts(rounds=(rounds, 1), iters=(iters, 1), warmup=(warmup, 0))
+    if not 0 <= margin < 1:
+        raise ValueError(f"need 0 <= margin < 1; got {margin!r}")
     fp8.config(recipe, emulate)  # fail before the capture, not after it
     shapes = linear_shapes(model, sample_batch, run)
     timing = dict(recipe=recipe, emulate=emulate, iters=iters, warmup=warmup, rounds=rounds, compile=compile)

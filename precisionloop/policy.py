@@ -249,7 +249,8 @@ class FP8Policy(BF16Policy):
         recipe: torchao's scaling recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
         layers: names (as in ``model.named_modules()``) of the ``nn.Linear`` layers to convert;
             ``None`` converts every one whose dimensions are multiples of 16, except the
-            first and the last.
+            first and the last. Only plain ``nn.Linear`` layers without hooks convert (torchao
+            replaces the module). A policy that would convert no layer is refused.
         emulate: emulate the fp8 matmuls in fp32, on any device (for tests; slow).
         fsdp_float8_all_gather: under ``distributed="fsdp"``, all-gather the converted layers'
             weights in fp8 (torchao's fp8 all-gather: half bf16's traffic), their scales computed
@@ -280,9 +281,13 @@ class FP8Policy(BF16Policy):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.layers is not None:
-            if isinstance(self.layers, str) or not all(isinstance(n, str) for n in self.layers):
+            try:  # a generator is read once, here
+                names = None if isinstance(self.layers, str) else tuple(self.layers)
+            except TypeError:
+                names = None
+            if names is None or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"layers must be a tuple of module names, got {self.layers!r}")
-            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))  # frozen: one canonical form
+            object.__setattr__(self, "layers", tuple(sorted(set(names))))  # frozen: one canonical form
 
     def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
         # Everything that can fail, before the Trainer touches the model or the optimizer.
@@ -295,7 +300,16 @@ class FP8Policy(BF16Policy):
         both = [n for n in self.layers or () if _inside(n, kept)]
         if both:
             raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
-        fp8.check_converted(model, allowed=self.layers)
+        # Refused whoever converted them: an earlier policy's recipe, emulation and layers would carry on unseen.
+        fp8.check_converted(model, allowed=())
+        planned = fp8.default_layers(model) if self.layers is None else self.layers
+        if not [n for n in planned if not _inside(n, kept)]:
+            why = ("layers=() names none" if self.layers is not None else
+                   "no nn.Linear but the first and the last has both dimensions a multiple of 16"
+                   if not planned else "keep_fp32 keeps every one in fp32")
+            raise ValueError(f"FP8Policy would convert no layer of this {type(model).__name__} to fp8 ({why}), "
+                             "training it in plain bf16 under the name fp8; use precision='bf16', or name the "
+                             "layers with FP8Policy(layers=...)")
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """bf16's preparation, then the chosen ``nn.Linear`` layers converted to fp8 training.

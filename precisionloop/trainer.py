@@ -363,14 +363,17 @@ class Trainer:
         """Restore what :meth:`state_dict` returned, including the RNG states; all or nothing.
 
         An open accumulation window is discarded. A Trainer still waiting to autotune takes
-        the checkpoint's precision instead.
+        the checkpoint's policy instead: its precision, settings and ``keep_fp32``.
 
         Raises:
             ValueError: the state does not fit this model or optimizer; nothing was changed.
         """
         checkpoint.check_fits(self.model, self.optimizer, state, source, self.scheduler)
         if self._autotune_compile is not None:
-            self._configure(get_policy(state.get("precision"), self.device), None)
+            policy = checkpoint.policy_from_record(state, self.device)  # its settings too: fp8 layers, keep_fp32
+            policy.check_model(self.model, self.device)  # what can fail, before the model changes
+            _check_master_weights(self.model, policy)
+            self._configure(policy, None)
             self._autotune_compile = None
             log.info("autotune skipped: resuming under the checkpoint's precision %s", self.policy.name)
         saved, now = state.get("precision"), self.policy.name
@@ -380,7 +383,7 @@ class Trainer:
         elif checkpoint.precision_of(state) != checkpoint.precision_of(checkpoint.policy_record(self.policy)):
             warnings.warn(f"{source} was saved under precision {checkpoint.precision_of(state)} and is loaded under "
                           f"{checkpoint.precision_of(checkpoint.policy_record(self.policy))}; training goes on with "
-                          "this Trainer's keep_fp32", UserWarning, stacklevel=3)
+                          "this Trainer's settings", UserWarning, stacklevel=3)
         checkpoint.restore_trainer(self, state)
 
     def save(self, path: str | os.PathLike) -> Path:

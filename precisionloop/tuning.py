@@ -40,6 +40,12 @@ class Candidate:
         # Hashable whatever the caller passed: lists become tuples.
         options = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.options)
         object.__setattr__(self, "options", options)
+        # An unknown precision or a setting its policy lacks fails here, not inside autotune's trials.
+        known = {f.name for f in dataclasses.fields(get_policy(self.precision)) if f.init}
+        unknown = sorted(k for k, _ in options if k not in known)
+        if unknown:
+            raise ValueError(f"Candidate({self.precision!r}) options {', '.join(unknown)}: its policy takes "
+                             f"{', '.join(sorted(known))}")
 
     def policy(self, device: torch.device) -> PrecisionPolicy:
         return dataclasses.replace(get_policy(self.precision, device), channels_last=self.channels_last, **dict(self.options))

@@ -1,6 +1,7 @@
 """FP8Policy through torchao, on the CPU with torchao's emulation (the real kernels need CUDA compute capability 8.9+)."""
 
 import builtins
+import re
 import warnings
 
 import pytest
@@ -167,8 +168,51 @@ def test_a_model_converted_earlier_is_refused_by_other_policies():
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
     with pytest.raises(ValueError, match="converted to fp8"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("2",)), device="cpu")
-    # the same fp8 policy again is fine
-    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True), device="cpu")
+    # Another fp8 policy too, even one that looks the same: the conversion's recipe and emulation would carry
+    # on under it unseen (a later FP8Policy(recipe="rowwise") kept scaling tensorwise; keep_fp32 kept fp8).
+    for policy in (FP8Policy(emulate=True), FP8Policy(emulate=True, recipe="rowwise"), FP8Policy(emulate=True, keep_fp32=("4",))):
+        with pytest.raises(ValueError, match="converted to fp8 by an earlier FP8Policy"):
+            Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
+    fresh = mlp()
+    fresh.load_state_dict(model.state_dict())  # what the message advises: same keys
+    Trainer(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), FP8Policy(emulate=True, recipe="rowwise"), device="cpu")
+
+
+def test_an_fp8_policy_that_would_convert_nothing_is_refused():
+    ends_only = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 4))  # the default skips first and last
+    odd = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 30), nn.ReLU(), nn.Linear(30, 4))
+    cases = [(mlp(), FP8Policy(emulate=True, layers=()), "layers=\\(\\) names none"),
+             (mlp(), FP8Policy(emulate=True, layers=(n for n in ())), "layers=\\(\\) names none"),
+             (ends_only, FP8Policy(emulate=True), "first and the last"),
+             (odd, FP8Policy(emulate=True), "first and the last"),
+             (mlp(), FP8Policy(emulate=True, keep_fp32=("*",)), "keep_fp32 keeps every one")]
+    for model, policy, why in cases:
+        with pytest.raises(ValueError, match=f"would convert no layer.*{why}.*precision='bf16'"):
+            Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
+        assert not any(fp8_module.is_float8_linear(m) for m in model.modules())
+    with pytest.raises(ValueError, match="layers must be a tuple of module names, got 5"):
+        FP8Policy(layers=5)
+
+
+class LoRALinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_linear_subclasses_and_hooked_linears_are_not_converted():
+    from torch.nn.utils import parametrizations
+
+    model = mlp()
+    model[4] = LoRALinear(64, 32)
+    parametrizations.weight_norm(model[6])  # 32 -> 30 is skipped anyway; make 2 the hooked one
+    model[2].register_forward_hook(lambda m, i, o: None)
+    with pytest.raises(ValueError, match="'2' cannot be converted.*forward hooks"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("2",)), device="cpu")
+    with pytest.raises(ValueError, match="'4' cannot be converted.*LoRALinear, a subclass of nn.Linear"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("4",)), device="cpu")
+    assert fp8_module.default_layers(model) == ()  # neither is picked by default; nothing left to convert
+    mha = nn.MultiheadAttention(32, 4)
+    assert "subclass of nn.Linear" in fp8_module.eligible("out_proj", mha.out_proj)
 
 
 def test_a_layer_both_kept_and_converted_is_refused():
@@ -207,3 +251,54 @@ def test_candidates_with_equal_labels_and_list_options():
     result = autotune(mlp(), lambda p: torch.optim.SGD(p, lr=0.01), data(1)[0], [a, b], device="cpu", steps=2, warmup=1,
                       rounds=2, tolerance=1.0, verbose=False)
     assert {r.candidate for r in result.results} == {a, b} and all(r.timing.rounds_ms for r in result.results)
+
+
+def _saved(tmp_path, policy, name="c.pt"):
+    model = mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
+    trainer.step(data(1)[0])
+    return trainer.save(tmp_path / name)
+
+
+def test_a_checkpoint_records_the_fp8_settings_and_a_load_says_when_they_differ(tmp_path):
+    path = _saved(tmp_path, FP8Policy(emulate=True, layers=("2",)))
+    state = torch.load(path, weights_only=True)
+    assert state["options"]["layers"] == ["2"] and state["options"]["recipe"] == "tensorwise"
+    for other, shown in ((FP8Policy(emulate=True, layers=("4",)), "layers=['4']"),
+                         (FP8Policy(emulate=True, layers=("2",), recipe="rowwise"), "recipe='rowwise'")):
+        model = mlp()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), other, device="cpu")
+        with pytest.warns(UserWarning, match=rf"saved under precision 'fp8' \(.*layers=\['2'\].*loaded under 'fp8' \(.*{re.escape(shown)}"):
+            trainer.load(path)
+    model = mlp()
+    same = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("2",)), device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load(path)  # the same settings: nothing to say
+
+
+def test_a_trainer_waiting_to_autotune_resumes_under_the_saved_policy_whole(tmp_path):
+    saved = FP8Policy(emulate=True, recipe="rowwise", layers=("2",), keep_fp32=(nn.ReLU, "6"))
+    path = _saved(tmp_path, saved)
+    model = mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto", device="cpu", autotune=True)
+    trainer.load(path)
+    assert trainer.policy == saved  # recipe, layers, emulate and keep_fp32 (a class and a pattern) alike
+    assert fp8_module.converted_layers(trainer.model) == ["2"] and trainer.model[2].config.cast_config_weight.short_str() != "dyn_ten_e4m3"
+    assert is_kept(trainer.model[6]) and is_kept(trainer.model[1])
+
+
+def test_a_failed_load_leaves_a_trainer_waiting_to_autotune_untouched(tmp_path):
+    path = _saved(tmp_path, FP8Policy(emulate=True, layers=("2",)))
+    state = torch.load(path, weights_only=True)
+    state["options"]["emulate"] = False  # saved on an fp8 GPU: the CPU cannot run it
+    model = mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto", device="cpu", autotune=True)
+    before = trainer.policy
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        trainer.load_state_dict(state)
+    assert trainer.policy is before and trainer._autotune_compile is not None
+    assert not fp8_module.converted_layers(model) and trainer.global_step == 0
+    state["options"]["bogus"] = 1
+    with pytest.raises(ValueError, match="records settings.*bogus.*FP8Policy does not take"):
+        trainer.load_state_dict(state)

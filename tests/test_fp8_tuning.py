@@ -257,3 +257,37 @@ def test_missing_torchao_is_a_value_error_naming_the_extra(monkeypatch):
 def test_layer_timing_ratio_is_none_without_both_timings():
     row = LayerTiming("x", None, _m("bf16", 1.0, 2.0), _m("fp8"))
     assert row.ratio is None and row.saved_ms == 0.0
+
+
+def test_bad_counts_and_layers_are_refused_before_any_timing():
+    import random
+
+    for kwargs in (dict(rounds=1.5), dict(iters=True), dict(warmup=-1), dict(rounds=0)):
+        with pytest.raises(ValueError, match="need integers"):
+            choose_fp8_layers(nn.Sequential(nn.Linear(32, 32)), torch.randn(4, 32), call, CPU, **{**FAST, **kwargs})
+    for tokens in (0, -4, 2.5):
+        with pytest.raises(ValueError, match="tokens"):
+            time_linear(nn.Linear(32, 32), tokens, CPU, **FAST)
+    with pytest.raises(ValueError, match="times an nn.Linear, got a Conv2d"):
+        time_linear(nn.Conv2d(3, 8, 3), 16, CPU, **FAST)
+    # The capture leaves Python's random stream as it was, even when the model draws from it.
+    state = random.getstate()
+
+    class Noisy(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * random.random()
+
+    linear_shapes(Noisy(32, 32), torch.randn(4, 32), call)
+    assert random.getstate() == state
+
+
+def test_a_candidate_with_a_setting_its_policy_lacks_is_refused_at_once():
+    from precisionloop import Candidate
+
+    with pytest.raises(ValueError, match="options bogus: its policy takes"):
+        Candidate("fp8", options=(("bogus", 1),))
+    with pytest.raises(ValueError, match="options layers"):
+        Candidate("bf16", options=(("layers", ("0",)),))
+    with pytest.raises(ValueError, match="precision"):
+        Candidate("fp9")
+    assert Candidate("fp8", options=(("layers", ["0"]),)).options == (("layers", ("0",)),)
