@@ -298,7 +298,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default=None,
                    help="comma-separated, images or sequences per batch (default 32,128 on CUDA, 8 on the CPU; "
                         "for the transformer 8 on CUDA, 4 on the CPU)")
-    p.add_argument("--precisions", default=None, help=f"comma-separated among {','.join(ALL_PRECISIONS)} (default all on CUDA; fp32,tf32,bf16 on the CPU)")
+    p.add_argument("--precisions", default=None,
+                   help=f"comma-separated among {','.join(ALL_PRECISIONS)},fp8 (default {','.join(ALL_PRECISIONS)} on "
+                        "CUDA; fp32,tf32,bf16 on the CPU); fp8 needs torchao and CUDA compute capability 8.9+, "
+                        "and is always timed compiled")
     p.add_argument("--iters", type=int, default=None, help="timed steps per configuration and round (default 50 on CUDA, 6 on the CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first in each round, for cudnn.benchmark to settle (default 15 on CUDA, 2 on the CPU)")
     p.add_argument("--rounds", type=int, default=3,
