@@ -104,7 +104,16 @@ def default_layers(model: nn.Module) -> tuple[str, ...]:
     """Every eligible ``nn.Linear`` but the first and the last, which are the most sensitive (embedding-like input, logits)."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     inner = linears[1:-1]
-    return tuple(name for name, m in inner if eligible(name, m) is None)
+    names = _names_of(model)
+    return tuple(name for name, m in inner if eligible(name, m) is None and len(names[id(m)]) == 1)
+
+
+def _names_of(model: nn.Module) -> dict[int, list[str]]:
+    """Every name each module is registered under (one module can sit in two places)."""
+    names: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), []).append(name)
+    return names
 
 
 def check_layers(model: nn.Module, layers: Iterable[str] | None) -> None:
@@ -113,9 +122,14 @@ def check_layers(model: nn.Module, layers: Iterable[str] | None) -> None:
     Raises:
         ValueError: naming the layer and why.
     """
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
+    names = _names_of(model)
     for name in sorted(set(layers or ())):
         module = modules.get(name)
+        if module is not None and len(names[id(module)]) > 1:
+            # The conversion swaps the module under one name; the other would go on running it in bf16.
+            raise ValueError(f"FP8Policy layers: {name!r} cannot be converted to fp8 (the same module is also "
+                             f"registered as {', '.join(repr(n) for n in names[id(module)] if n != name)})")
         why = "no such module" if module is None else eligible(name, module)
         if why:
             raise ValueError(f"FP8Policy layers: {name!r} cannot be converted to fp8 ({why})")

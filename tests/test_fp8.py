@@ -302,3 +302,15 @@ def test_a_failed_load_leaves_a_trainer_waiting_to_autotune_untouched(tmp_path):
     state["options"]["bogus"] = 1
     with pytest.raises(ValueError, match="records settings.*bogus.*FP8Policy does not take"):
         trainer.load_state_dict(state)
+
+
+def test_a_module_registered_under_two_names_is_not_converted():
+    model = mlp()
+    model.alias = model[2]  # one module, two names: converted under one, the other would run it in bf16
+    for name in ("alias", "2"):
+        with pytest.raises(ValueError, match=rf"'{name}' cannot be converted.*also registered as"):
+            Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=(name,)),
+                    device="cpu")
+    assert fp8_module.default_layers(model) == ("4",)  # 2 is left out by default
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True), device="cpu")
+    assert trainer.model.alias is trainer.model[2] and type(trainer.model[2]) is nn.Linear
