@@ -434,15 +434,6 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
         if foreign:
             parts.append(f"{foreign} optimizer tensor(s) that are not parameters of the model")
         raise ValueError("the optimizer must hold exactly the model's trainable parameters; found " + "; ".join(parts))
-    if isinstance(optimizer, torch.optim.SparseAdam):  # torch raises only at the first step, mid-training
-        sparse = {id(m.weight) for m in model.modules()
-                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
-        dense = [trainable[id(p)] for g in optimizer.param_groups for p in g["params"]
-                 if id(p) not in sparse and id(p) in trainable]
-        if dense:
-            raise ValueError(f"SparseAdam takes only sparse gradients, and {', '.join(dense[:5])} get dense ones (only "
-                             "nn.Embedding(sparse=True) and nn.EmbeddingBag(sparse=True) weights get sparse gradients); "
-                             "use Adam or AdamW for them")
 
 
 def _trial_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:

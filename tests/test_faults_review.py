@@ -246,26 +246,3 @@ def test_modules_kept_by_an_earlier_policy_are_released():
     assert is_kept(model[1])
     Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), BF16Policy(), device="cpu")
     assert not is_kept(model[1]) and "forward" not in model[1].__dict__
-
-
-def test_sparse_adam_over_dense_gradients_is_refused_at_construction_and_trains_sparse_embeddings():
-    class Bag(nn.Module):
-        def __init__(self, sparse):
-            super().__init__()
-            self.embedding = nn.Embedding(50, 16, sparse=sparse)
-            self.head = nn.Linear(16, 4)
-
-        def forward(self, x):
-            return self.head(self.embedding(x).sum(1))
-
-    model = Bag(sparse=True)
-    with pytest.raises(ValueError, match=r"SparseAdam takes only sparse gradients, and head.weight, head.bias get dense"):
-        Trainer(model, torch.optim.SparseAdam(model.parameters(), lr=0.1), "bf16", device="cpu")
-    dense = nn.Embedding(50, 4, sparse=False)
-    with pytest.raises(ValueError, match=r"and weight get dense"):
-        Trainer(dense, torch.optim.SparseAdam(dense.parameters(), lr=0.1), "bf16", device="cpu")
-    embedding = nn.Embedding(50, 4, sparse=True)
-    trainer = Trainer(embedding, torch.optim.SparseAdam(embedding.parameters(), lr=0.1), "bf16", device="cpu",
-                      loss_fn=lambda out, y: nn.functional.cross_entropy(out.sum(1), y))
-    batch = (torch.randint(0, 50, (8, 5)), torch.randint(0, 4, (8,)))
-    assert all(trainer.step(batch).stepped for _ in range(3))
