@@ -4,6 +4,7 @@ Trainer's state assembled for saving and restored all or nothing."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import random
 import sys
@@ -131,6 +132,7 @@ def trainer_state(trainer) -> dict:
         "format": FORMAT,
         "version": VERSION,
         **policy_record(trainer.policy),
+        "compile_mode": trainer.compile_mode,
         "world_size": _dist.world_size(),
         "model": model_state,
         "optimizer": optimizer_state,
@@ -153,37 +155,67 @@ def trainer_state(trainer) -> dict:
 
 
 def policy_record(policy: PrecisionPolicy) -> dict:
-    """What a checkpoint records of the policy: its name, the modules it keeps in fp32, and its other settings."""
-    return {"precision": policy.name, "keep_fp32": fp32_modules.entry_names(policy.keep_fp32),
-            "options": policy_options(policy)}
+    """What a checkpoint records of the policy: its name and class, the modules it keeps in fp32, its settings."""
+    options, unrecorded = policy_options(policy)
+    names = fp32_modules.entry_names(policy.keep_fp32)
+    return {"precision": policy.name, "policy_class": _qualified(type(policy)), "keep_fp32": names,
+            "keep_fp32_classes": [n for e, n in zip(policy.keep_fp32, names) if not isinstance(e, str)],
+            "options": options, "unrecorded": unrecorded}
 
 
-_PLAIN = (bool, int, float, str, type(None))
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def policy_options(policy: PrecisionPolicy) -> dict:
-    """The policy's settings but ``keep_fp32`` as plain values (tuples as lists); fields of other types are left out."""
-    options = {}
+_SKIP = object()
+
+
+def _plain_value(value: Any) -> Any:
+    """``value`` as a builtin bool, int, float, str or None that ``weights_only`` loading takes, else ``_SKIP``."""
+    if isinstance(value, enum.Enum):
+        return _SKIP
+    for kind in (bool, int, float, str):  # bool first: it is an int; numpy's float64 is a float
+        if isinstance(value, kind):
+            return kind(value)
+    return None if value is None else _SKIP
+
+
+def policy_options(policy: PrecisionPolicy) -> tuple[dict, list[str]]:
+    """The policy's settings but ``keep_fp32`` as builtin values (tuples as lists), and the names of those that are not."""
+    options, unrecorded = {}, []
     for field in dataclasses.fields(policy):
-        value = getattr(policy, field.name)
         if not field.init or not field.compare or field.name == "keep_fp32":
             continue
-        if isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value):
-            options[field.name] = list(value)
-        elif isinstance(value, _PLAIN):
-            options[field.name] = value
-    return options
+        value = getattr(policy, field.name)
+        plain = [_plain_value(v) for v in value] if isinstance(value, tuple) else _plain_value(value)
+        if plain is _SKIP or (isinstance(plain, list) and _SKIP in plain):
+            unrecorded.append(field.name)
+        else:
+            options[field.name] = plain
+    return options, unrecorded
+
+
+def settings_differ(saved: dict, now: dict) -> bool:
+    """Whether a checkpoint's policy record and this one describe different policies of the same precision.
+
+    A checkpoint from before settings were recorded is compared by ``keep_fp32`` alone.
+    """
+    return ((saved.get("keep_fp32") or []) != now["keep_fp32"]
+            or any(key in saved and saved[key] != now[key] for key in ("options", "policy_class", "unrecorded")))
 
 
 def precision_of(state: dict) -> str:
-    """The precision a checkpoint (or :func:`policy_record`) names, with its non-default settings, for messages."""
-    keep = state.get("keep_fp32") or []
+    """The precision a checkpoint (or :func:`policy_record`) names, its class if custom, its non-default settings."""
     try:
-        defaults = policy_options(get_policy(state.get("precision")))
+        table = get_policy(state.get("precision"))
+        defaults, cls = policy_options(table)[0], _qualified(type(table))
     except ValueError:  # a custom policy's name: every setting is news
-        defaults = {}
+        defaults, cls = {}, None
+    custom = state.get("policy_class") if state.get("policy_class") not in (None, cls) else None
     changed = [f"{k}={v!r}" for k, v in (state.get("options") or {}).items() if k not in defaults or defaults[k] != v]
-    return (repr(state.get("precision")) + (f" ({', '.join(changed)})" if changed else "")
+    details = ([custom] if custom else []) + changed
+    keep = state.get("keep_fp32") or []
+    return (repr(state.get("precision")) + (f" ({', '.join(details)})" if details else "")
             + (f" keeping {', '.join(keep)} in fp32" if keep else ""))
 
 
@@ -191,26 +223,53 @@ def policy_from_record(state: dict, device: torch.device) -> PrecisionPolicy:
     """The policy a checkpoint (or :func:`policy_record`) was saved under, settings and ``keep_fp32`` included.
 
     A ``keep_fp32`` class is found among the modules already imported (nothing is imported for a
-    checkpoint); a name that is not one stays a module-name pattern.
+    checkpoint).
 
     Raises:
-        ValueError: the precision is unknown here, or its policy does not take a recorded setting.
+        ValueError: the policy cannot be rebuilt from the record: its precision or class is not the
+            precision table's, a setting was not recordable or is not the policy's, or a ``keep_fp32``
+            class is not found. Pass that policy to the Trainer instead.
     """
-    policy = get_policy(state.get("precision"), device)
+    where = "pass the policy it was saved under to the Trainer instead"
+    try:
+        policy = get_policy(state.get("precision"), device)
+    except ValueError as e:
+        raise ValueError(f"{e}; the checkpoint was saved under a policy the precision table does not build: {where}") from None
+    if state.get("policy_class") not in (None, _qualified(type(policy))) or state.get("unrecorded"):
+        raise ValueError(f"the checkpoint was saved under {precision_of(state)}, which its record cannot rebuild "
+                         f"(a policy class of your own, or settings {state.get('unrecorded') or []}): {where}")
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in (state.get("options") or {}).items()}
-    keep = tuple(_keep_entry(name) for name in state.get("keep_fp32") or ())
+    keep = tuple(_keep_entry(n, state) for n in state.get("keep_fp32") or ())
     try:
         return dataclasses.replace(policy, **options, keep_fp32=keep)
     except TypeError as e:
         raise ValueError(f"the checkpoint's precision {state.get('precision')!r} records settings "
-                         f"{', '.join(sorted(options))} that {type(policy).__name__} does not take ({e})") from None
+                         f"{', '.join(sorted(options))} that {type(policy).__name__} does not take ({e}): {where}") from None
 
 
-def _keep_entry(name: str) -> Any:
-    module_name, _, qualname = name.rpartition(".")
-    module = sys.modules.get(module_name)
-    found = getattr(module, qualname, None) if module is not None and qualname else None
-    return found if isinstance(found, type) and issubclass(found, nn.Module) else name
+def _keep_entry(name: str, state: dict) -> Any:
+    """A recorded ``keep_fp32`` entry: its class where the record says it is one (or, in older records, where
+    one of that name is found), else the module-name pattern."""
+    classes = state.get("keep_fp32_classes")
+    if classes is not None and name not in classes:
+        return name
+    found = _find_class(name)
+    if found is None and classes is not None:
+        raise ValueError(f"keep_fp32 class {name} of the checkpoint's policy is not among the imported modules' "
+                         "classes (defined in a function?): pass the policy it was saved under to the Trainer instead")
+    return name if found is None else found
+
+
+def _find_class(name: str) -> type | None:
+    """The ``nn.Module`` class named ``module.qualname`` among imported modules (nested classes too), or None."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        found: Any = sys.modules.get(".".join(parts[:cut]))
+        for attr in parts[cut:] if found is not None else ():
+            found = getattr(found, attr, None)
+        if isinstance(found, type) and issubclass(found, nn.Module):
+            return found
+    return None
 
 
 def restore_trainer(trainer, state: dict) -> None:

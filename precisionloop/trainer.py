@@ -133,16 +133,19 @@ class Trainer:
                      f", {self.distributed} over {_dist.world_size()} processes" if self.distributed else "")
 
     def _configure(self, policy: PrecisionPolicy, mode: str | None, prepare: bool = True) -> None:
-        """Apply a policy (and compile mode): layout, compile, wrapping, gradient guard."""
-        self.policy, self.compile_mode = policy, mode
-        self._input_format = torch.contiguous_format
+        """Apply a policy (and compile mode): layout, compile, wrapping, gradient guard.
+
+        The Trainer's own fields change only once the policy has prepared the model, so a policy
+        that refuses the model or its device leaves the Trainer as it was.
+        """
+        model, input_format = self.model, torch.contiguous_format
         guard = policy.make_guard(self.device.type)
         if prepare:
             policy.check_compile(mode, self.device.type)
-            _check_master_weights(self.model, policy)
-            self.model, self._input_format = prepare_model(self.model, policy, mode, self.distributed, self.device,
-                                                           self.optimizer)
+            _check_master_weights(model, policy)
+            model, input_format = prepare_model(model, policy, mode, self.distributed, self.device, self.optimizer)
             guard = _dist.adapt_guard(guard, self.distributed, self.device.type)
+        self.model, self._input_format, self.policy, self.compile_mode = model, input_format, policy, mode
         self.engine.configure(self.model, policy, guard, mode)
 
     def _run_autotune(self, batch: Any) -> None:
@@ -371,16 +374,17 @@ class Trainer:
         checkpoint.check_fits(self.model, self.optimizer, state, source, self.scheduler)
         if self._autotune_compile is not None:
             policy = checkpoint.policy_from_record(state, self.device)  # its settings too: fp8 layers, keep_fp32
+            mode = compile_mode(state.get("compile_mode"), self.device)  # as the saved run trained
             policy.check_model(self.model, self.device)  # what can fail, before the model changes
             _check_master_weights(self.model, policy)
-            self._configure(policy, None)
+            self._configure(policy, mode)
             self._autotune_compile = None
             log.info("autotune skipped: resuming under the checkpoint's precision %s", self.policy.name)
         saved, now = state.get("precision"), self.policy.name
         if saved != now:
             warnings.warn(f"{source} was saved under precision {saved!r} and is loaded under {now!r}; "
                           "the loss-scaler state does not carry over between them", UserWarning, stacklevel=3)
-        elif checkpoint.precision_of(state) != checkpoint.precision_of(checkpoint.policy_record(self.policy)):
+        elif checkpoint.settings_differ(state, checkpoint.policy_record(self.policy)):
             warnings.warn(f"{source} was saved under precision {checkpoint.precision_of(state)} and is loaded under "
                           f"{checkpoint.precision_of(checkpoint.policy_record(self.policy))}; training goes on with "
                           "this Trainer's settings", UserWarning, stacklevel=3)

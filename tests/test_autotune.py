@@ -57,6 +57,8 @@ def test_when_only_the_loss_drift_rejects_every_candidate_the_error_says_how_to_
         autotune(tiny_mlp(), lambda p: torch.optim.SGD(p, lr=0.1), batch, [Candidate("bf16")], device="cpu",
                  steps=2, warmup=1, tolerance=1e-7, verbose=False)
     suggested = float(str(caught.value).split("tolerance=")[-1].split(")")[0])
+    closest = float(str(caught.value).split("the closest by ")[1].split(")")[0])
+    assert suggested >= 1.2 * closest  # headroom over the drift seen
     # The suggestion lets the closest candidate through.
     result = autotune(tiny_mlp(), lambda p: torch.optim.SGD(p, lr=0.1), batch, [Candidate("bf16")], device="cpu",
                       steps=2, warmup=1, tolerance=suggested, verbose=False)

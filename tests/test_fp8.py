@@ -204,7 +204,6 @@ def test_linear_subclasses_and_hooked_linears_are_not_converted():
 
     model = mlp()
     model[4] = LoRALinear(64, 32)
-    parametrizations.weight_norm(model[6])  # 32 -> 30 is skipped anyway; make 2 the hooked one
     model[2].register_forward_hook(lambda m, i, o: None)
     with pytest.raises(ValueError, match="'2' cannot be converted.*forward hooks"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("2",)), device="cpu")
@@ -213,6 +212,13 @@ def test_linear_subclasses_and_hooked_linears_are_not_converted():
     assert fp8_module.default_layers(model) == ()  # neither is picked by default; nothing left to convert
     mha = nn.MultiheadAttention(32, 4)
     assert "subclass of nn.Linear" in fp8_module.eligible("out_proj", mha.out_proj)
+    normed = mlp()
+    parametrizations.weight_norm(normed[2])  # a default candidate otherwise: the swap failed half-way
+    assert fp8_module.default_layers(normed) == ("4",)
+    with pytest.raises(ValueError, match="'2' cannot be converted.*ParametrizedLinear, a subclass"):
+        Trainer(normed, torch.optim.SGD(normed.parameters(), lr=0.1), FP8Policy(emulate=True, layers=("2", "4")),
+                device="cpu")
+    assert not any(fp8_module.is_float8_linear(m) for m in normed.modules())
 
 
 def test_a_layer_both_kept_and_converted_is_refused():

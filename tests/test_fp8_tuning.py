@@ -266,7 +266,7 @@ def test_bad_counts_and_layers_are_refused_before_any_timing():
         with pytest.raises(ValueError, match="need integers"):
             choose_fp8_layers(nn.Sequential(nn.Linear(32, 32)), torch.randn(4, 32), call, CPU, **{**FAST, **kwargs})
     for tokens in (0, -4, 2.5):
-        with pytest.raises(ValueError, match="tokens"):
+        with pytest.raises(ValueError, match=rf"got tokens={tokens!r}$"):
             time_linear(nn.Linear(32, 32), tokens, CPU, **FAST)
     with pytest.raises(ValueError, match="times an nn.Linear, got a Conv2d"):
         time_linear(nn.Conv2d(3, 8, 3), 16, CPU, **FAST)
@@ -277,8 +277,18 @@ def test_bad_counts_and_layers_are_refused_before_any_timing():
         def forward(self, x):
             return super().forward(x) * random.random()
 
-    linear_shapes(Noisy(32, 32), torch.randn(4, 32), call)
+    import numpy as np
+
+    numpy_state = np.random.get_state()
+
+    class Noisier(Noisy):
+        def forward(self, x):
+            return super().forward(x) * float(np.random.rand())
+
+    linear_shapes(Noisier(32, 32), torch.randn(4, 32), call)
     assert random.getstate() == state
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
+               for a, b in zip(np.random.get_state(), numpy_state))
 
 
 def test_a_candidate_with_a_setting_its_policy_lacks_is_refused_at_once():
@@ -291,3 +301,10 @@ def test_a_candidate_with_a_setting_its_policy_lacks_is_refused_at_once():
     with pytest.raises(ValueError, match="precision"):
         Candidate("fp9")
     assert Candidate("fp8", options=(("layers", ["0"]),)).options == (("layers", ("0",)),)
+
+
+def test_a_candidate_with_a_bad_setting_value_is_refused_at_once():
+    from precisionloop import Candidate
+
+    with pytest.raises(ValueError, match="init_scale"):
+        Candidate("fp16", options=(("init_scale", -1.0),))
