@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["validate_keep_fp32", "select_modules", "keep_fp32_", "is_kept", "entry_names", "entries_from_text"]
+__all__ = ["validate_keep_fp32", "select_modules", "keep_fp32_", "is_kept", "within", "entry_names", "entries_from_text"]
 
 _VALID = "an nn.Module subclass (matched with isinstance) or a str pattern (fnmatch over named_modules() names)"
 
@@ -287,6 +287,11 @@ def _other_device_type(args: tuple, kwargs: dict) -> str | None:
 
 def _is_descendant(name: str, ancestor: str) -> bool:
     return name != ancestor and (ancestor == "" or name.startswith(ancestor + "."))
+
+
+def within(name: str, modules: Iterable[str]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one (``""``, the root, holds every module)."""
+    return any(name == m or _is_descendant(name, m) for m in modules)
 
 
 def _no_match_message(model: nn.Module, pattern: str, names: list[str]) -> str:

@@ -157,7 +157,7 @@ def convert(model: nn.Module, recipe: str, emulate: bool, layers: Iterable[str] 
     converted: list[str] = []
 
     def take(module: nn.Module, fqn: str) -> bool:
-        if fqn in wanted and not any(fqn == k or fqn.startswith(f"{k}.") or k == "" for k in kept):
+        if fqn in wanted and not fp32_modules.within(fqn, kept):
             converted.append(fqn)
             return True
         return False

@@ -8,8 +8,8 @@ keeps the layers whose fp8 rounds are all faster than every bf16 round. Layers o
 are timed once. The result's :meth:`Fp8Choice.module_filter_fn` is the ``module_filter_fn`` of
 ``torchao.float8.convert_to_float8_training``.
 
-This module depends on torch, the standard library and :mod:`precisionloop.measure`; torchao is
-imported only when fp8 is actually used.
+This module depends on torch, the standard library, :mod:`precisionloop.measure` and, for the RNG,
+:mod:`precisionloop.checkpoint`; torchao is imported only when fp8 is actually used.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ import contextlib
 import copy
 import dataclasses
 import logging
-import random
-import sys
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
 
-from . import fp8, measure
+from . import checkpoint, fp8, measure
 from .fp8 import ALIGNMENT, eligible
 
 __all__ = ["LinearShape", "LayerTiming", "Fp8Choice", "linear_shapes", "eligible", "time_linear", "choose_fp8_layers"]
@@ -114,11 +112,12 @@ def linear_shapes(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module,
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}
     handles = [m.register_forward_hook(hook_for(name), with_kwargs=True)
                for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+    rng = checkpoint.rng_state()  # run may draw from torch's, Python's or numpy's generators (dropout, say)
     try:
-        with torch.random.fork_rng(devices=devices), _python_rng_kept(), torch.no_grad(), _autocast(device):
+        with torch.no_grad(), _autocast(device):
             run(model, sample_batch)
     finally:
+        checkpoint.set_rng_state(rng)
         for handle in handles:
             handle.remove()
         with torch.no_grad():
@@ -126,20 +125,6 @@ def linear_shapes(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module,
                 if name in saved:
                     b.copy_(saved[name])
     return {name: LinearShape(tuple(counts), *rest) for name, (counts, *rest) in seen.items()}
-
-
-@contextlib.contextmanager
-def _python_rng_kept():
-    """Restore Python's and (if imported) numpy's random state afterwards; ``run`` may draw from them (dropout-like code)."""
-    state = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    try:
-        yield
-    finally:
-        random.setstate(state)
-        if numpy_state is not None:
-            numpy.random.set_state(numpy_state)
 
 
 def _check_counts(**counts: Any) -> None:

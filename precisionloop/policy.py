@@ -296,17 +296,16 @@ class FP8Policy(BF16Policy):
         if device is not None:
             fp8.check_device(device, self.emulate)
         fp8.check_layers(model, self.layers)
-        kept = {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
-        both = [n for n in self.layers or () if _inside(n, kept)]
+        kept = self._kept(model)
+        both = [n for n in self.layers or () if fp32_modules.within(n, kept)]
         if both:
             raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
         # Refused whoever converted them: an earlier policy's recipe, emulation and layers would carry on unseen.
         fp8.check_converted(model, allowed=())
-        planned = fp8.default_layers(model) if self.layers is None else self.layers
-        if not [n for n in planned if not _inside(n, kept)]:
+        if not self._planned(model):
             why = ("layers=() names none" if self.layers is not None else
                    "no nn.Linear but the first and the last has both dimensions a multiple of 16"
-                   if not planned else "keep_fp32 keeps every one in fp32")
+                   if not fp8.default_layers(model) else "keep_fp32 keeps every one in fp32")
             raise ValueError(f"FP8Policy would convert no layer of this {type(model).__name__} to fp8 ({why}), "
                              "training it in plain bf16 under the name fp8; use precision='bf16', or name the "
                              "layers with FP8Policy(layers=...)")
@@ -342,9 +341,16 @@ class FP8Policy(BF16Policy):
         """Refuse, before the conversion, layers whose weights FSDP2 could not all-gather in fp8 (see ``prepare_sharding``)."""
         if not self._fp8_all_gather(quiet=True):
             return
-        kept = {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
-        planned = fp8.default_layers(model) if self.layers is None else self.layers
-        fp8.check_all_gather(model, [n for n in planned if not _inside(n, kept)], device)
+        fp8.check_all_gather(model, self._planned(model), device)
+
+    def _kept(self, model: nn.Module) -> set[str]:
+        return {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
+
+    def _planned(self, model: nn.Module) -> list[str]:
+        """The layers ``prepare_model`` will convert on the unprepared ``model``: chosen or default, none kept in fp32."""
+        kept = self._kept(model)
+        return [n for n in (fp8.default_layers(model) if self.layers is None else self.layers)
+                if not fp32_modules.within(n, kept)]
 
     def _fp8_all_gather(self, quiet: bool = False) -> bool:
         """Whether FSDP2 all-gathers the converted weights in fp8: the flag is on and the recipe can."""
@@ -363,11 +369,6 @@ class FP8Policy(BF16Policy):
         if mode is None and device_type == "cuda":
             warnings.warn("fp8 without torch.compile is known to be slower than bf16 (torchao's casts run "
                           "eagerly); pass compile=True", UserWarning, stacklevel=4)
-
-
-def _inside(name: str, modules: set[str]) -> bool:
-    """Whether module ``name`` is one of ``modules`` or inside one ("" is the root, which holds every module)."""
-    return any(name == k or name.startswith(f"{k}.") or k == "" for k in modules)
 
 
 # The one precision table: canonical name -> factory, then every accepted spelling.
