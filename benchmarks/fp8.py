@@ -1,4 +1,4 @@
-"""Does fp8 pay, and does autotune know when? bf16 against fp8 (whole model and measured per layer), and fp8's loss.
+"""Does fp8 pay, and does autotune know when? bf16 against fp8 (its layer sets), and fp8's loss.
 
     PYTHONPATH=. python benchmarks/fp8.py --part transformer,resnet18 --json fp8.json
     PYTHONPATH=. python benchmarks/fp8.py --part vit_b_16,loss
@@ -6,10 +6,10 @@
 Parts (comma-separated with --part):
 
 - ``transformer``: the recipe's Transformer stack (4 layers, d_model 2048, d_ff 8192, 8 x 1024 tokens),
-  ``precisionloop.autotune`` over bf16 compiled and fp8 compiled. autotune adds whole-model fp8
-  (``FP8Policy()``'s default layers) and the per-layer set it measured to gain, and times all of
-  them in interleaved rounds (plus its strict-fp32 loss reference); the speed-ups are paired per
-  round against bf16 compiled.
+  ``precisionloop.autotune`` over bf16 compiled and fp8 compiled. autotune makes fp8 three layer
+  sets (``FP8Policy()``'s default layers, every layer fp8 can take, and the per-layer set it
+  measured to gain), and times all of them in interleaved rounds (plus its strict-fp32 loss
+  reference); the speed-ups are paired per round against bf16 compiled.
 - ``vit_b_16``: the same for torchvision's vit_b_16 at batch 128.
 - ``resnet18``: the same for ResNet18 at batch 128; fp8 has no layer to convert there.
 - ``loss``: 200 steps of the Transformer stack on a fixed synthetic task (noisy bigrams: the next

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import fp32_modules
 
-__all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "default_layers", "check_layers",
+__all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "eligible_layers", "default_layers", "check_layers",
            "convert", "config", "is_float8_linear", "converted_layers", "check_converted", "check_unwrapped",
            "wrap_for_fp8_all_gather", "check_all_gather", "fp8_all_gather_layers", "precompute_scales"]
 
@@ -100,12 +100,18 @@ def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = 
     return None  # unaligned token counts are padded (see config)
 
 
+def eligible_layers(model: nn.Module) -> tuple[str, ...]:
+    """Every ``nn.Linear`` of ``model`` fp8 can convert (see :func:`eligible`), registered under one name, in module order."""
+    names = _names_of(model)
+    return tuple(name for name, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and eligible(name, m) is None and len(names[id(m)]) == 1)
+
+
 def default_layers(model: nn.Module) -> tuple[str, ...]:
     """Every eligible ``nn.Linear`` but the first and the last, which are the most sensitive (embedding-like input, logits)."""
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    inner = linears[1:-1]
-    names = _names_of(model)
-    return tuple(name for name, m in inner if eligible(name, m) is None and len(names[id(m)]) == 1)
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    inner = set(linears[1:-1])
+    return tuple(name for name in eligible_layers(model) if name in inner)
 
 
 def _names_of(model: nn.Module) -> dict[int, list[str]]:

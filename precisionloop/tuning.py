@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from . import checkpoint, fp8, fp8_tuning, measure
+from . import checkpoint, fp32_modules, fp8, fp8_tuning, measure
 from .engine import StepEngine, compile_mode, prepare_model, to_device
 from .policy import FP8Policy, PrecisionPolicy, _as_device, get_policy
 
@@ -117,7 +117,8 @@ def default_candidates(model: nn.Module, device: str | torch.device | None = Non
 
     On the CPU, tf32 (the same as fp32 there) and fp16 (very slow there) are left out. With
     ``compile`` and where fp8 matmuls exist (CUDA compute capability 8.9+, torchao installed), a
-    compiled fp8 candidate is added; :func:`autotune` then also measures which layers gain from fp8.
+    compiled fp8 candidate is added; :func:`autotune` makes it concrete: FP8Policy's default layers,
+    every layer fp8 can take, and the layers it measures to gain.
     """
     device = _as_device(device)
     precisions = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
@@ -227,7 +228,12 @@ def autotune(
 
 def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, loss_for, device: torch.device,
                      steps: int, warmup: int, rounds: int, verbose: bool) -> list[Candidate]:
-    """fp8 candidates made concrete: whole-model fp8 if any layer can convert, and the layers measured to gain."""
+    """fp8 candidates made concrete: the default layers, every eligible layer, and the layers measured to gain.
+
+    Each distinct layer set is one candidate, timed in the model beside the others: timing layers
+    one by one misses what the compiled model fuses (the casts of layers that share an input, or
+    follow a LayerNorm), so the per-layer choice is not always the fastest set.
+    """
     out = []
     for c in candidates:
         policy = c.policy(device)
@@ -237,24 +243,39 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
         say = print if verbose else log.info
         try:
             fp8.check_device(device, policy.emulate)
+            default, every = _fp8_layer_sets(policy, model)  # a keep_fp32 pattern that matches nothing raises
         except ValueError:
             out.append(c)  # it will be rejected with that error; nothing to measure per layer
             continue
-        if not fp8.default_layers(model):
-            say(f"autotune: {c.label} declined: no nn.Linear layer fp8 can take besides the first and the last")
+        if not every:
+            say(f"autotune: {c.label} declined: no nn.Linear layer fp8 can take (both dimensions multiples of "
+                f"{fp8.ALIGNMENT}, a plain nn.Linear, not kept in fp32)")
             continue
-        out.append(c)  # whole-model fp8
+        sets = [default] if default else []  # the whole-model policy as given (FP8Policy's default layers)
+        out.extend([c] if default else [])
+        if set(every) != set(default):
+            sets.append(every)
+            out.append(dataclasses.replace(c, options=(*c.options, ("layers", every))))
         trial = copy.deepcopy(model).to(device)
         choice = fp8_tuning.choose_fp8_layers(trial, to_device(batch, device, torch.contiguous_format),
                                               lambda m, b: loss_for(m)(b), device, recipe=policy.recipe,
                                               emulate=policy.emulate or None, iters=steps, warmup=warmup,
                                               rounds=max(rounds, 2), compile=bool(c.compile) and device.type == "cuda")
         say(f"autotune: fp8 per layer, {c.label}:\n{choice}")
-        if choice.layers:
-            out.append(dataclasses.replace(c, options=(*c.options, ("layers", choice.layers))))
-        else:
+        layers = tuple(n for n in choice.layers if n in every)
+        if not layers:
             say("autotune: fp8 per layer declined: no layer is faster in fp8 beyond the measured spread")
+        elif all(set(layers) != set(s) for s in sets):
+            out.append(dataclasses.replace(c, options=(*c.options, ("layers", layers))))
     return out
+
+
+def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the layers ``policy`` converts by default, every layer it could convert), none inside a module kept in fp32."""
+    kept = [name for name, _ in fp32_modules.select_modules(model, policy.keep_fp32)]
+    default = tuple(n for n in fp8.default_layers(model) if not fp32_modules.within(n, kept))
+    every = tuple(n for n in fp8.eligible_layers(model) if not fp32_modules.within(n, kept))
+    return default, every
 
 
 def _plain_loss(loss_fn: Callable) -> Callable[[nn.Module], Callable[[Any], torch.Tensor]]:

@@ -147,6 +147,59 @@ def test_autotune_measures_fp8_per_layer(capsys):
     assert ("fp8 per layer declined" in out) != bool(per_layer)
 
 
+def aligned_mlp(seed=0):
+    torch.manual_seed(seed)  # every Linear aligned, the first and the last too
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def aligned_batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 16, generator=g), torch.randint(0, 16, (16,), generator=g)
+
+
+def test_autotune_also_times_every_eligible_layer_in_fp8(capsys):
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    assert fp8_module.eligible_layers(aligned_mlp()) == ("0", "2", "4") and fp8_module.default_layers(aligned_mlp()) == ("2",)
+    result = autotune(aligned_mlp(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(),
+                      [Candidate("bf16"), Candidate("fp8", options=(("emulate", True),))], device="cpu", steps=2,
+                      warmup=1, rounds=2, tolerance=1.0, verbose=False)
+    layer_sets = {r.candidate.policy(torch.device("cpu")).layers for r in result.results if r.candidate.precision == "fp8"}
+    assert None in layer_sets and ("0", "2", "4") in layer_sets  # the default layers, and every eligible one
+    assert len(layer_sets) == len([r for r in result.results if r.candidate.precision == "fp8"])  # no set twice
+    fp8_rows = [r for r in result.results if r.candidate.precision == "fp8"]
+    assert all(r.rejected is None and r.timing.rounds_ms for r in fp8_rows)
+
+
+def test_autotune_offers_fp8_when_only_the_first_and_last_layers_can_take_it(capsys):
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    assert fp8_module.default_layers(model) == ()  # FP8Policy() would refuse this model
+    result = autotune(model, lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(),
+                      [Candidate("bf16"), Candidate("fp8", options=(("emulate", True),))], device="cpu", steps=2,
+                      warmup=1, rounds=2, tolerance=1.0, verbose=False)
+    fp8_rows = [r for r in result.results if r.candidate.precision == "fp8"]
+    assert fp8_rows and all(r.rejected is None for r in fp8_rows)
+    assert ("0", "2") in {r.candidate.policy(torch.device("cpu")).layers for r in fp8_rows}
+    assert all(r.candidate.policy(torch.device("cpu")).layers is not None for r in fp8_rows)  # not the refused default
+
+
+def test_autotune_leaves_layers_kept_in_fp32_out_of_every_fp8_set():
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    candidate = Candidate("fp8", options=(("emulate", True), ("keep_fp32", ("0",))))
+    result = autotune(aligned_mlp(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(), [Candidate("bf16"), candidate],
+                      device="cpu", steps=2, warmup=1, rounds=2, tolerance=1.0, verbose=False)
+    fp8_rows = [r for r in result.results if r.candidate.precision == "fp8"]
+    assert ("2", "4") in {r.candidate.policy(torch.device("cpu")).layers for r in fp8_rows}
+    assert all(r.rejected is None for r in fp8_rows)  # no set names a kept layer, which the policy would refuse
+
+
 def test_autotune_declines_fp8_without_convertible_layers(capsys):
     from precisionloop import autotune
     from precisionloop.tuning import Candidate
