@@ -18,7 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -320,7 +320,8 @@ def _verdict(bf16: measure.Measurement, fp8: measure.Measurement, margin: float)
 def choose_fp8_layers(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module, Any], Any],
                       device: str | torch.device, *, recipe: str = "tensorwise", emulate: bool | None = None,
                       iters: int = 20, warmup: int = 5, rounds: int = 3, margin: float = 0.0,
-                      compile: bool | None = None, verbose: bool = False) -> Fp8Choice:
+                      compile: bool | None = None, skip: Mapping[str, str] | None = None,
+                      verbose: bool = False) -> Fp8Choice:
     """Time every Linear of ``model`` at its real shape in bf16 and fp8 and choose those fp8 clearly speeds up.
 
     A layer is chosen when every fp8 round is faster than every bf16 round (``fp8.max_ms <
@@ -341,6 +342,8 @@ def choose_fp8_layers(model: nn.Module, sample_batch: Any, run: Callable[[nn.Mod
         rounds: interleaved rounds; at least 2 for a spread worth the name.
         margin: how much faster than bf16's fastest round fp8's slowest must be, as a fraction.
         compile: compile both copies; None means on CUDA (see :func:`time_linear`).
+        skip: names of layers not to time or choose, each with the reason the table gives
+            (autotune's: kept in fp32, registered under two names).
         verbose: print the table.
 
     Returns:
@@ -358,7 +361,9 @@ def choose_fp8_layers(model: nn.Module, sample_batch: Any, run: Callable[[nn.Mod
     shapes = linear_shapes(model, sample_batch, run)
     timing = dict(recipe=recipe, emulate=emulate, iters=iters, warmup=warmup, rounds=rounds, compile=compile)
     timed: dict[tuple, LayerTiming] = {}
-    table = [_time_layer(name, module, shapes.get(name), device, timing, timed, margin)
+    skip = dict(skip or {})
+    table = [LayerTiming(name, shapes.get(name), verdict=f"skipped: {skip[name]}") if name in skip else
+             _time_layer(name, module, shapes.get(name), device, timing, timed, margin)
              for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     choice = Fp8Choice(tuple(t.name for t in table if t.chosen), table, recipe, emulate)
     log.info("fp8 chosen for %d of %d Linear layers", len(choice.layers), len(table))

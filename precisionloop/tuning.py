@@ -56,7 +56,7 @@ class Candidate:
     def label(self) -> str:
         layout = {None: "", True: " +channels_last", False: " NCHW"}[self.channels_last]
         compiled = "" if not self.compile else f" +compile({'auto' if self.compile is True else self.compile})"
-        options = "".join(f" {k}={len(v) if isinstance(v, tuple) else v}" for k, v in self.options)
+        options = "".join(f" {k}={_option_text(v)}" for k, v in self.options)
         return f"{self.precision}{options}{layout}{compiled}"
 
     def complexity(self, model: nn.Module, device: torch.device) -> tuple[int, int]:
@@ -65,6 +65,15 @@ class Candidate:
         natural = conv and device.type == "cuda"  # what a policy with channels_last=None picks
         layout = natural if self.channels_last is None else (self.channels_last and conv)
         return int(bool(self.compile)), int(layout != natural)
+
+
+def _option_text(value: Any) -> str:
+    """A setting for a label: a short tuple by its entries (layer names, kept classes), a long one by its length."""
+    if not isinstance(value, tuple):
+        return str(value)
+    if len(value) > 3:
+        return str(len(value))
+    return "(" + ",".join(getattr(v, "__name__", str(v)) for v in value) + ")"
 
 
 @dataclasses.dataclass
@@ -202,9 +211,10 @@ def autotune(
     loss_for = loss_for or _plain_loss(loss_fn or nn.functional.cross_entropy)
     rng = checkpoint.rng_state()  # trials reseed for equal dropout masks; the caller's RNG must not notice
     try:
-        candidates = _with_fp8_layers(candidates, model, sample_batch, loss_for, device, steps, warmup, rounds, verbose)
+        candidates, declined = _with_fp8_layers(candidates, model, sample_batch, loss_for, device, steps, warmup,
+                                                rounds, print if verbose else log.info)
         if not candidates:
-            raise RuntimeError("autotune: no candidate left to try (fp8 was declined; see above)")
+            raise RuntimeError("autotune: no candidate left to try: " + "; ".join(declined))
         reference = Candidate("fp32", channels_last=False)
         runs = [reference] + [c for c in candidates if c != reference]
         trials = {c: _Trial(c, model, optimizer_factory, sample_batch, device, loss_for) for c in runs}
@@ -226,56 +236,75 @@ def autotune(
     return outcome
 
 
-def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, loss_for, device: torch.device,
-                     steps: int, warmup: int, rounds: int, verbose: bool) -> list[Candidate]:
-    """fp8 candidates made concrete: the default layers, every eligible layer, and the layers measured to gain.
+def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, loss_for, device: torch.device, steps: int,
+                     warmup: int, rounds: int, say: Callable[[str], None]) -> tuple[list[Candidate], list[str]]:
+    """fp8 candidates made concrete, and why any fp8 candidate was declined.
 
-    Each distinct layer set is one candidate, timed in the model beside the others: timing layers
-    one by one misses what the compiled model fuses (the casts of layers that share an input, or
-    follow a LayerNorm), so the per-layer choice is not always the fastest set.
+    Each fp8 candidate becomes up to three, one per distinct layer set: FP8Policy's default
+    layers, every layer fp8 can take, and the layers timed one by one to gain. All are timed in
+    the model beside the others: a layer timed alone misses what the compiled model fuses (the
+    casts of layers that share an input, or follow a LayerNorm), so the per-layer choice is not
+    always the fastest set.
     """
-    out = []
+    out, declined = [], []
     for c in candidates:
         policy = c.policy(device)
         if not isinstance(policy, FP8Policy) or policy.layers is not None:
             out.append(c)
             continue
-        say = print if verbose else log.info
         try:
             fp8.check_device(device, policy.emulate)
-            default, every = _fp8_layer_sets(policy, model)  # a keep_fp32 pattern that matches nothing raises
+            default, every, skip = _fp8_layer_sets(policy, model)  # a keep_fp32 pattern that matches nothing raises
         except ValueError:
             out.append(c)  # it will be rejected with that error; nothing to measure per layer
             continue
         if not every:
-            say(f"autotune: {c.label} declined: no nn.Linear layer fp8 can take (both dimensions multiples of "
-                f"{fp8.ALIGNMENT}, a plain nn.Linear, not kept in fp32)")
+            declined.append(f"{c.label} declined: no nn.Linear layer fp8 can take (both dimensions multiples of "
+                            f"{fp8.ALIGNMENT}, a plain nn.Linear registered under one name, not kept in fp32)")
+            say(f"autotune: {declined[-1]}")
             continue
-        sets = [default] if default else []  # the whole-model policy as given (FP8Policy's default layers)
-        out.extend([c] if default else [])
-        if set(every) != set(default):
-            sets.append(every)
-            out.append(dataclasses.replace(c, options=(*c.options, ("layers", every))))
         trial = copy.deepcopy(model).to(device)
         choice = fp8_tuning.choose_fp8_layers(trial, to_device(batch, device, torch.contiguous_format),
                                               lambda m, b: loss_for(m)(b), device, recipe=policy.recipe,
                                               emulate=policy.emulate or None, iters=steps, warmup=warmup,
-                                              rounds=max(rounds, 2), compile=bool(c.compile) and device.type == "cuda")
+                                              rounds=max(rounds, 2), compile=bool(c.compile) and device.type == "cuda",
+                                              skip=skip)
         say(f"autotune: fp8 per layer, {c.label}:\n{choice}")
-        layers = tuple(n for n in choice.layers if n in every)
-        if not layers:
+        if not choice.layers:
             say("autotune: fp8 per layer declined: no layer is faster in fp8 beyond the measured spread")
-        elif all(set(layers) != set(s) for s in sets):
-            out.append(dataclasses.replace(c, options=(*c.options, ("layers", layers))))
+        # A layer the sample batch calls with no tokens would fail torchao's scaling: not in the every-layer set.
+        empty = {t.name for t in choice.table if t.shape is not None and 0 in t.shape.token_counts}
+        out.extend(_distinct_sets(c, default, tuple(n for n in every if n not in empty), choice.layers))
+    return out, declined
+
+
+def _distinct_sets(c: Candidate, default: tuple[str, ...], *layer_sets: tuple[str, ...]) -> list[Candidate]:
+    """``c`` itself if it has default layers, then one candidate per further distinct, non-empty layer set."""
+    out, seen = ([c], [set(default)]) if default else ([], [])
+    options = tuple((k, v) for k, v in c.options if k != "layers")  # an explicit layers=None is replaced
+    for layers in layer_sets:
+        if layers and set(layers) not in seen:
+            seen.append(set(layers))
+            out.append(dataclasses.replace(c, options=(*options, ("layers", tuple(layers)))))
     return out
 
 
-def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(the layers ``policy`` converts by default, every layer it could convert), none inside a module kept in fp32."""
+def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, str]]:
+    """(default layers, every convertible layer, {name: why not} for aligned Linears ``policy`` cannot convert).
+
+    The last are layers kept in fp32 and modules registered under two names: none is timed or converted.
+    """
     kept = [name for name, _ in fp32_modules.select_modules(model, policy.keep_fp32)]
-    default = tuple(n for n in fp8.default_layers(model) if not fp32_modules.within(n, kept))
-    every = tuple(n for n in fp8.eligible_layers(model) if not fp32_modules.within(n, kept))
-    return default, every
+    every = fp8.eligible_layers(model)
+    skip = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and fp8.eligible(name, m) is None:
+            if fp32_modules.within(name, kept):
+                skip[name] = "kept in fp32 (keep_fp32)"
+            elif name not in every:
+                skip[name] = "registered under more than one name"
+    default = tuple(n for n in fp8.default_layers(model) if n not in skip)
+    return default, tuple(n for n in every if n not in skip), skip
 
 
 def _plain_loss(loss_fn: Callable) -> Callable[[nn.Module], Callable[[Any], torch.Tensor]]:

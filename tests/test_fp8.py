@@ -200,6 +200,78 @@ def test_autotune_leaves_layers_kept_in_fp32_out_of_every_fp8_set():
     assert all(r.rejected is None for r in fp8_rows)  # no set names a kept layer, which the policy would refuse
 
 
+def test_autotune_does_not_time_layers_fp8_cannot_take_here(capsys):
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    class Aliased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = aligned_mlp()
+            self.alias = self.net[2]  # the same Linear under a second name
+
+        def forward(self, x):
+            return self.net(x)
+
+    candidate = Candidate("fp8", options=(("emulate", True), ("keep_fp32", ("net.0",))))
+    result = autotune(Aliased(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(), [Candidate("bf16"), candidate],
+                      device="cpu", steps=2, warmup=1, rounds=2, tolerance=1.0)
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("net.")}
+    assert "skipped: kept in fp32 (keep_fp32)" in rows["net.0"]  # not timed, so never "chosen" and then dropped
+    assert "skipped: registered under more than one name" in rows["net.2"]
+    assert [r.candidate.policy(torch.device("cpu")).layers for r in result.results if r.candidate.precision == "fp8"] == [
+        ("net.4",)]  # the default set is empty here; every layer fp8 can take is net.4
+
+
+class _SometimesCalled(nn.Module):
+    """An aux Linear that the sample batch calls with no rows (a branch taken by no example)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c, self.aux = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        rare = x[:, 0] > 1e9
+        return y.index_add(0, rare.nonzero().flatten(), self.aux(x[rare]))
+
+
+def test_autotune_leaves_layers_called_with_no_tokens_out_of_the_every_layer_set():
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    result = autotune(_SometimesCalled(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(),
+                      [Candidate("bf16"), Candidate("fp8", options=(("emulate", True),))], device="cpu", steps=2,
+                      warmup=1, rounds=2, tolerance=1.0, verbose=False)
+    fp8_rows = [r for r in result.results if r.candidate.precision == "fp8"]
+    assert ("a", "b", "c") in {r.candidate.policy(torch.device("cpu")).layers for r in fp8_rows}
+    assert all(r.rejected is None for r in fp8_rows)  # torchao cannot scale an empty input: aux is left out
+
+
+def test_autotune_says_why_fp8_was_declined_when_nothing_is_left_to_try():
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    only = Candidate("fp8", options=(("emulate", True), ("keep_fp32", (nn.Linear,))))
+    with pytest.raises(RuntimeError, match=r"no candidate left to try: fp8 emulate=True keep_fp32=\(Linear\) "
+                                           r"declined: no nn.Linear layer fp8 can take"):
+        autotune(aligned_mlp(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(), [only], device="cpu", steps=2,
+                 warmup=1, rounds=2, verbose=False)
+
+
+def test_an_explicit_layers_none_is_replaced_not_repeated():
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    result = autotune(aligned_mlp(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(),
+                      [Candidate("fp8", options=(("layers", None), ("emulate", True)))], device="cpu", steps=2, warmup=1,
+                      rounds=2, tolerance=1.0, verbose=False)
+    keys = [[k for k, _ in r.candidate.options] for r in result.results if r.candidate.precision == "fp8"]
+    assert all(k.count("layers") == 1 for k in keys) and ["emulate", "layers"] in keys
+
+
 def test_autotune_declines_fp8_without_convertible_layers(capsys):
     from precisionloop import autotune
     from precisionloop.tuning import Candidate
@@ -306,10 +378,15 @@ def test_candidates_with_equal_labels_and_list_options():
 
     a = Candidate("fp8", options=(("emulate", True), ("layers", ["2"])))
     b = Candidate("fp8", options=(("emulate", True), ("layers", ("4",))))
-    assert a.label == b.label and hash(a) != hash(b)  # lists became tuples; the labels say "layers=1" for both
-    result = autotune(mlp(), lambda p: torch.optim.SGD(p, lr=0.01), data(1)[0], [a, b], device="cpu", steps=2, warmup=1,
-                      rounds=2, tolerance=1.0, verbose=False)
-    assert {r.candidate for r in result.results} == {a, b} and all(r.timing.rounds_ms for r in result.results)
+    assert a.options == (("emulate", True), ("layers", ("2",)))  # lists became tuples
+    assert (a.label, b.label) == ("fp8 emulate=True layers=(2)", "fp8 emulate=True layers=(4)")  # short sets by name
+    # Longer tuples are labelled by their length, so two candidates can share a label; both are still timed.
+    c = Candidate("bf16", options=(("keep_fp32", ("0", "2", "4", "6")),))
+    d = Candidate("bf16", options=(("keep_fp32", ("0", "2", "4", "8")),))
+    assert c.label == d.label == "bf16 keep_fp32=4" and hash(c) != hash(d)
+    result = autotune(mlp(), lambda p: torch.optim.SGD(p, lr=0.01), data(1)[0], [a, b, c, d], device="cpu", steps=2,
+                      warmup=1, rounds=2, tolerance=1.0, verbose=False)
+    assert {r.candidate for r in result.results} == {a, b, c, d} and all(r.timing.rounds_ms for r in result.results)
 
 
 def _saved(tmp_path, policy, name="c.pt"):
