@@ -302,7 +302,7 @@ class FP8Policy(BF16Policy):
             raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
         # Refused whoever converted them: an earlier policy's recipe, emulation and layers would carry on unseen.
         fp8.check_converted(model, allowed=())
-        if not self._planned(model):
+        if not self.planned_layers(model):
             why = ("layers=() names none" if self.layers is not None else
                    "no nn.Linear but the first and the last has both dimensions a multiple of 16"
                    if not fp8.default_layers(model) else "keep_fp32 keeps every one in fp32")
@@ -341,12 +341,12 @@ class FP8Policy(BF16Policy):
         """Refuse, before the conversion, layers whose weights FSDP2 could not all-gather in fp8 (see ``prepare_sharding``)."""
         if not self._fp8_all_gather(quiet=True):
             return
-        fp8.check_all_gather(model, self._planned(model), device)
+        fp8.check_all_gather(model, self.planned_layers(model), device)
 
     def _kept(self, model: nn.Module) -> set[str]:
         return {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
 
-    def _planned(self, model: nn.Module) -> list[str]:
+    def planned_layers(self, model: nn.Module) -> list[str]:
         """The layers ``prepare_model`` will convert on the unprepared ``model``: chosen or default, none kept in fp32."""
         kept = self._kept(model)
         return [n for n in (fp8.default_layers(model) if self.layers is None else self.layers)

@@ -72,8 +72,9 @@ def _option_text(value: Any) -> str:
     if not isinstance(value, tuple):
         return str(value)
     if len(value) > 3:
-        return str(len(value))
-    return "(" + ",".join(getattr(v, "__name__", str(v)) for v in value) + ")"
+        return str(len(value))  # layers=25: a count; layers=('4',): the layer named "4"
+    items = [repr(v) if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
+    return "(" + ",".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 @dataclasses.dataclass
@@ -271,21 +272,34 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
                                               skip=skip)
         say(f"autotune: fp8 per layer, {c.label}:\n{choice}")
         if not choice.layers:
-            say("autotune: fp8 per layer declined: no layer is faster in fp8 beyond the measured spread")
-        # A layer the sample batch calls with no tokens would fail torchao's scaling: not in the every-layer set.
-        empty = {t.name for t in choice.table if t.shape is not None and 0 in t.shape.token_counts}
-        out.extend(_distinct_sets(c, default, tuple(n for n in every if n not in empty), choice.layers))
+            timed = any(t.fp8 is not None for t in choice.table)
+            say("autotune: fp8 per layer declined: " + ("no layer is faster in fp8 beyond the measured spread" if timed
+                                                         else "no layer could be timed (see the table)"))
+        concrete = _distinct_sets(c, default, every, choice)
+        if not concrete:
+            declined.append(f"{c.label} declined: every layer fp8 can take is called with no tokens on the sample batch")
+            say(f"autotune: {declined[-1]}")
+        out.extend(concrete)
     return out, declined
 
 
-def _distinct_sets(c: Candidate, default: tuple[str, ...], *layer_sets: tuple[str, ...]) -> list[Candidate]:
-    """``c`` itself if it has default layers, then one candidate per further distinct, non-empty layer set."""
-    out, seen = ([c], [set(default)]) if default else ([], [])
+def _distinct_sets(c: Candidate, default: tuple[str, ...], every: tuple[str, ...],
+                   choice: fp8_tuning.Fp8Choice) -> list[Candidate]:
+    """One candidate per distinct, non-empty layer set: the default layers (``c`` itself when none is dropped),
+    every layer, the per-layer choice.
+
+    A layer the sample batch calls with no tokens is dropped from the first two: torchao cannot scale an empty input.
+    """
+    empty = {t.name for t in choice.table if t.shape is not None and 0 in t.shape.token_counts}
+    usable_default = tuple(n for n in default if n not in empty)
+    sets = [usable_default, tuple(n for n in every if n not in empty), choice.layers]
     options = tuple((k, v) for k, v in c.options if k != "layers")  # an explicit layers=None is replaced
-    for layers in layer_sets:
+    out, seen = [], []
+    for i, layers in enumerate(sets):
         if layers and set(layers) not in seen:
             seen.append(set(layers))
-            out.append(dataclasses.replace(c, options=(*options, ("layers", tuple(layers)))))
+            as_given = i == 0 and usable_default == default
+            out.append(c if as_given else dataclasses.replace(c, options=(*options, ("layers", tuple(layers)))))
     return out
 
 
@@ -298,13 +312,11 @@ def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...
     every = fp8.eligible_layers(model)
     skip = {}
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and fp8.eligible(name, m) is None:
-            if fp32_modules.within(name, kept):
-                skip[name] = "kept in fp32 (keep_fp32)"
-            elif name not in every:
-                skip[name] = "registered under more than one name"
-    default = tuple(n for n in fp8.default_layers(model) if n not in skip)
-    return default, tuple(n for n in every if n not in skip), skip
+        if isinstance(m, nn.Linear) and fp8.eligible(name, m) is None and name not in every:
+            skip[name] = "registered under more than one name"
+        elif name in every and fp32_modules.within(name, kept):
+            skip[name] = "kept in fp32 (keep_fp32)"
+    return tuple(policy.planned_layers(model)), tuple(n for n in every if n not in skip), skip
 
 
 def _plain_loss(loss_fn: Callable) -> Callable[[nn.Module], Callable[[Any], torch.Tensor]]:

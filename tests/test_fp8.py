@@ -225,12 +225,12 @@ def test_autotune_does_not_time_layers_fp8_cannot_take_here(capsys):
 
 
 class _SometimesCalled(nn.Module):
-    """An aux Linear that the sample batch calls with no rows (a branch taken by no example)."""
+    """An aux Linear that the sample batch calls with no rows (a branch taken by no example), registered mid-model."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b, self.c, self.aux = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(16, 16)
+        self.a, self.aux, self.b, self.c = nn.Linear(16, 32), nn.Linear(16, 16), nn.Linear(32, 32), nn.Linear(32, 16)
 
     def forward(self, x):
         y = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
@@ -238,7 +238,7 @@ class _SometimesCalled(nn.Module):
         return y.index_add(0, rare.nonzero().flatten(), self.aux(x[rare]))
 
 
-def test_autotune_leaves_layers_called_with_no_tokens_out_of_the_every_layer_set():
+def test_autotune_leaves_layers_called_with_no_tokens_out_of_every_fp8_set():
     from precisionloop import autotune
     from precisionloop.tuning import Candidate
 
@@ -246,8 +246,28 @@ def test_autotune_leaves_layers_called_with_no_tokens_out_of_the_every_layer_set
                       [Candidate("bf16"), Candidate("fp8", options=(("emulate", True),))], device="cpu", steps=2,
                       warmup=1, rounds=2, tolerance=1.0, verbose=False)
     fp8_rows = [r for r in result.results if r.candidate.precision == "fp8"]
-    assert ("a", "b", "c") in {r.candidate.policy(torch.device("cpu")).layers for r in fp8_rows}
+    layer_sets = {r.candidate.policy(torch.device("cpu")).layers for r in fp8_rows}
+    assert ("a", "b", "c") in layer_sets and ("b",) in layer_sets  # every layer; the default set (aux, b) less aux
     assert all(r.rejected is None for r in fp8_rows)  # torchao cannot scale an empty input: aux is left out
+
+
+def test_autotune_says_so_when_every_fp8_layer_is_called_with_no_tokens():
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    class OnlyEmpty(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.aux, self.c = nn.Linear(16, 30), nn.Linear(16, 16), nn.Linear(30, 16)
+
+        def forward(self, x):
+            rare = x[:, 0] > 1e9
+            return self.c(self.a(x)).index_add(0, rare.nonzero().flatten(), self.aux(x[rare]))
+
+    with pytest.raises(RuntimeError, match="declined: every layer fp8 can take is called with no tokens"):
+        autotune(OnlyEmpty(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(),
+                 [Candidate("fp8", options=(("emulate", True),))], device="cpu", steps=2, warmup=1, rounds=2, verbose=False)
 
 
 def test_autotune_says_why_fp8_was_declined_when_nothing_is_left_to_try():
@@ -255,7 +275,7 @@ def test_autotune_says_why_fp8_was_declined_when_nothing_is_left_to_try():
     from precisionloop.tuning import Candidate
 
     only = Candidate("fp8", options=(("emulate", True), ("keep_fp32", (nn.Linear,))))
-    with pytest.raises(RuntimeError, match=r"no candidate left to try: fp8 emulate=True keep_fp32=\(Linear\) "
+    with pytest.raises(RuntimeError, match=r"no candidate left to try: fp8 emulate=True keep_fp32=\(Linear,\) "
                                            r"declined: no nn.Linear layer fp8 can take"):
         autotune(aligned_mlp(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(), [only], device="cpu", steps=2,
                  warmup=1, rounds=2, verbose=False)
@@ -379,7 +399,8 @@ def test_candidates_with_equal_labels_and_list_options():
     a = Candidate("fp8", options=(("emulate", True), ("layers", ["2"])))
     b = Candidate("fp8", options=(("emulate", True), ("layers", ("4",))))
     assert a.options == (("emulate", True), ("layers", ("2",)))  # lists became tuples
-    assert (a.label, b.label) == ("fp8 emulate=True layers=(2)", "fp8 emulate=True layers=(4)")  # short sets by name
+    assert (a.label, b.label) == ("fp8 emulate=True layers=('2',)", "fp8 emulate=True layers=('4',)")  # by name
+    assert Candidate("fp8", options=(("layers", ("0", "2")),)).label == "fp8 layers=('0','2')"
     # Longer tuples are labelled by their length, so two candidates can share a label; both are still timed.
     c = Candidate("bf16", options=(("keep_fp32", ("0", "2", "4", "6")),))
     d = Candidate("bf16", options=(("keep_fp32", ("0", "2", "4", "8")),))
