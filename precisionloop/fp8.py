@@ -15,8 +15,8 @@ from torch import nn
 
 from . import fp32_modules
 
-__all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "eligible_layers", "default_layers", "check_layers",
-           "convert", "config", "is_float8_linear", "converted_layers", "check_converted", "check_unwrapped",
+__all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "eligible_layers", "default_layers",
+           "check_layers", "convert", "config", "is_float8_linear", "converted_layers", "check_converted", "check_unwrapped",
            "wrap_for_fp8_all_gather", "check_all_gather", "fp8_all_gather_layers", "precompute_scales"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")

@@ -285,10 +285,10 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
 
 def _distinct_sets(c: Candidate, default: tuple[str, ...], every: tuple[str, ...],
                    choice: fp8_tuning.Fp8Choice) -> list[Candidate]:
-    """One candidate per distinct, non-empty layer set: the default layers (``c`` itself when none is dropped),
-    every layer, the per-layer choice.
+    """One candidate per distinct, non-empty layer set: default layers, every layer, the per-layer choice.
 
-    A layer the sample batch calls with no tokens is dropped from the first two: torchao cannot scale an empty input.
+    The default set is ``c`` itself unless a layer was dropped from it. A layer the sample batch
+    calls with no tokens is dropped from the first two sets: torchao cannot scale an empty input.
     """
     empty = {t.name for t in choice.table if t.shape is not None and 0 in t.shape.token_counts}
     usable_default = tuple(n for n in default if n not in empty)
