@@ -296,7 +296,7 @@ class FP8Policy(BF16Policy):
         if device is not None:
             fp8.check_device(device, self.emulate)
         fp8.check_layers(model, self.layers)
-        kept = self._kept(model)
+        kept = self.kept_modules(model)
         both = [n for n in self.layers or () if fp32_modules.within(n, kept)]
         if both:
             raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
@@ -343,12 +343,13 @@ class FP8Policy(BF16Policy):
             return
         fp8.check_all_gather(model, self.planned_layers(model), device)
 
-    def _kept(self, model: nn.Module) -> set[str]:
+    def kept_modules(self, model: nn.Module) -> set[str]:
+        """Names of the modules of the unprepared ``model`` that ``keep_fp32`` keeps in fp32."""
         return {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
 
     def planned_layers(self, model: nn.Module) -> list[str]:
         """The layers ``prepare_model`` will convert on the unprepared ``model``: chosen or default, none kept in fp32."""
-        kept = self._kept(model)
+        kept = self.kept_modules(model)
         return [n for n in (fp8.default_layers(model) if self.layers is None else self.layers)
                 if not fp32_modules.within(n, kept)]
 

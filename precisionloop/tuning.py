@@ -308,7 +308,7 @@ def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...
 
     The last are layers kept in fp32 and modules registered under two names: none is timed or converted.
     """
-    kept = [name for name, _ in fp32_modules.select_modules(model, policy.keep_fp32)]
+    kept = policy.kept_modules(model)
     every = fp8.eligible_layers(model)
     skip = {}
     for name, m in model.named_modules():
