@@ -9,7 +9,8 @@ model on the same GPU-resident batch: the hand loop (autocast, backward, optimiz
 check), ``Trainer.step``, and ``Trainer.fit`` over an epoch of --fit-steps batches with its progress
 bar on (per-step time = epoch time / steps). They are timed by
 ``precisionloop.measure.interleaved`` (fresh model and optimizer per system and round, rotating
-order), and the wrapper cost is the per-round ratio to the hand loop, paired in time.
+order, the timed steps alternating between the systems in --blocks blocks), and the wrapper cost
+is the per-round ratio to the hand loop, paired in time.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _hand(config: Config, args) -> Run:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Run(step, context=precisionloop.get_policy(config.precision).backend_flags())
+    return Run(step, context=precisionloop.get_policy(config.precision).backend_flags)
 
 
 def _trainer(package, config: Config, args, fit: bool) -> Run:
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="resnet18")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--blocks", type=int, default=5,
+                   help="alternating blocks per round (measure.interleaved): the systems are timed side by side "
+                        "(fit: at most --fit-epochs blocks); 1 runs them one after the other")
     p.add_argument("--iters", type=int, default=40, help="timed steps (fit: timed epochs) per round")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--fit-steps", type=int, default=20, help="batches per timed fit epoch")
@@ -175,9 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.profile_fit and i == 0:
             print(profile(config, args, precisionloop, steps=5, fit=True), flush=True)
         timings = interleaved(step_systems(config, args, before), rounds=args.rounds, iters=args.iters,
-                              warmup=args.warmup, device=args.device)
+                              warmup=args.warmup, device=args.device, blocks=min(args.blocks, args.iters))
         fits = interleaved(fit_systems(config, args, before), rounds=args.rounds, iters=args.fit_epochs, warmup=2,
-                           device=args.device)
+                           device=args.device, blocks=min(args.blocks, args.fit_epochs))
         for name, m in fits.items():  # per-epoch times to per-step times
             m.rounds_ms = [t / args.fit_steps for t in m.rounds_ms]
             timings["hand (epochs)" if name == "hand" else name] = m

@@ -76,7 +76,7 @@ def peer_factory(peer: str, precision: str, batch_size: int, args):
     def build() -> Run:
         model = bench.build_model(args.model).to(device)
         batch = bench.random_batch(batch_size, args.image_size, device)
-        return Run(PEERS[peer](model, batch, precision, device, args.fused), context=FP32Policy(tf32=True).backend_flags())
+        return Run(PEERS[peer](model, batch, precision, device, args.fused), context=FP32Policy(tf32=True).backend_flags)
 
     return build
 

@@ -147,13 +147,15 @@ def memory_kind(device: torch.device) -> str:
 class Run:
     """What a factory may return instead of a bare step.
 
-    ``context`` (a context manager, e.g. a policy's ``backend_flags()``) is entered around the
-    warm-up and timed steps; ``teardown`` is called after them, before the instance is dropped
-    (to read counters such as ``trainer.stats``).
+    ``context`` is entered around the warm-up and the timed steps: a context manager (a policy's
+    ``backend_flags()``, say), or a zero-argument callable returning a fresh one (the bound
+    ``policy.backend_flags``). With ``blocks > 1`` it is entered once per block, so it must be
+    the callable: a generator-based context manager cannot be entered twice. ``teardown`` is
+    called after the steps, before the instance is dropped (to read counters such as ``trainer.stats``).
     """
 
     step: Callable[[], object]
-    context: ContextManager | None = None
+    context: ContextManager | Callable[[], ContextManager] | None = None
     teardown: Callable[[], None] | None = None
 
 
@@ -203,11 +205,9 @@ def _one_round(factory: Callable[[], Callable[[], object] | Run], *, iters: int,
                device: torch.device, timer: Callable[[], float] | None) -> tuple[float, float | None]:
     """Build one fresh instance, time it, and return its median step time and peak memory."""
     reset_memory(device)
-    run = factory()
-    if not isinstance(run, Run):
-        run = Run(run)
+    run = _as_run(factory())
     try:
-        with run.context if run.context is not None else contextlib.nullcontext():
+        with _context(run):
             times = time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer)
         return statistics.median(times), peak_mb(device)
     finally:
@@ -215,58 +215,189 @@ def _one_round(factory: Callable[[], Callable[[], object] | Run], *, iters: int,
             run.teardown()
 
 
+def _as_run(made: Callable[[], object] | Run) -> Run:
+    return made if isinstance(made, Run) else Run(made)
+
+
+def _context(run: Run) -> ContextManager:
+    """The run's context to enter now: none, the context manager it holds, or a fresh one from its factory."""
+    if run.context is None:
+        return contextlib.nullcontext()
+    return run.context if hasattr(run.context, "__enter__") else run.context()
+
+
+def _resident_mb(device: torch.device) -> float | None:
+    """Memory held now: the CUDA allocator's allocated memory, or the CPU resident set (Linux); None if unknown."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    kb = _status_kb("VmRSS") if device.type == "cpu" else None
+    return None if kb is None else kb / 1024
+
+
+@dataclasses.dataclass
+class _Live:
+    """One system's instance inside a blocked round: its run, the memory it holds, its timed steps, its peak."""
+
+    run: Run
+    own_mb: float | None
+    times: list[float] = dataclasses.field(default_factory=list)
+    peak_mb: float | None = None
+
+
+def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, device: torch.device) -> _Live:
+    """Build an instance and run its warm-up steps; what it then holds is its own memory."""
+    before = _resident_mb(device)
+    run = _as_run(factory())
+    try:
+        if hasattr(run.context, "__enter__"):
+            raise TypeError("with blocks > 1 a Run's context is entered once per block: give a zero-argument callable "
+                            f"returning a fresh context manager, not the context manager {run.context!r}")
+        with _context(run):
+            for _ in range(warmup):
+                run.step()
+        after = _resident_mb(device)
+    except BaseException:
+        if run.teardown is not None:
+            run.teardown()
+        raise
+    return _Live(run, None if before is None or after is None else max(after - before, 0.0))
+
+
+def _time_block(live: _Live, steps: int, device: torch.device, timer: Callable[[], float] | None) -> None:
+    """Time ``steps`` steps of one live instance; its peak is its own memory plus what the block added on top."""
+    if device.type == "cuda":
+        base = _resident_mb(device)
+    else:
+        _reset_rss()
+        base = 0.0  # peak_mb on the CPU is already the growth since that reset
+    run = live.run
+    with _context(run):
+        live.times += time_steps(run.step, iters=steps, warmup=0, device=device, timer=timer)
+    top = peak_mb(device)
+    if top is not None and live.own_mb is not None:
+        peak = live.own_mb + max(top - base, 0.0)
+        live.peak_mb = peak if live.peak_mb is None else max(live.peak_mb, peak)
+
+
+def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: int, iters: int, warmup: int,
+                   blocks: int, device: torch.device, timer: Callable[[], float] | None,
+                   on_run: Callable[[int, str], None] | None) -> dict[str, tuple[float, float | None] | Exception]:
+    """Build every system in ``order``, warm each up, then time them in ``blocks`` alternating blocks of steps.
+
+    Returns name -> (median step time, peak memory), or the exception that stopped that system.
+    """
+    reset_memory(device)
+    live: dict[str, _Live] = {}
+    out: dict[str, tuple[float, float | None] | Exception] = {}
+    try:
+        for name in order:
+            if on_run is not None:
+                on_run(r, name)
+            try:
+                live[name] = _start(factories[name], warmup=warmup, device=device)
+            except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
+                out[name] = e
+        for b in range(blocks):
+            steps = iters // blocks + (b < iters % blocks)
+            names = [n for n in order if n in live]
+            for name in names[b % len(names):] + names[:b % len(names)] if names else []:
+                try:
+                    _time_block(live[name], steps, device, timer)
+                except Exception as e:  # noqa: BLE001
+                    out[name] = e
+                    _teardown(live.pop(name))
+        out.update({name: (statistics.median(x.times), x.peak_mb) for name, x in live.items()})
+        return out
+    finally:
+        for x in live.values():
+            _teardown(x)
+
+
+def _teardown(live: _Live) -> None:
+    if live.run.teardown is not None:
+        live.run.teardown()
+
+
 def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]], *, rounds: int = 3, iters: int,
                 warmup: int, device: torch.device, timer: Callable[[], float] | None = None,
-                on_run: Callable[[int, str], None] | None = None) -> dict[str, Measurement]:
+                on_run: Callable[[int, str], None] | None = None, blocks: int = 1) -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated by the round.
 
     Round ``r`` runs the systems in their given order rotated left by ``r`` (A B C, then B C A,
-    then C A B). Each run calls :func:`reset_memory`, then the system's factory, then times
-    ``warmup`` + ``iters`` steps; the round's figure is the median step time. A system whose
-    factory or step raises an ``Exception`` (out of memory, say) gets ``error`` set and is not
-    run again; the others carry on.
+    then C A B). With ``blocks=1`` each system runs alone: :func:`reset_memory`, its factory,
+    ``warmup`` + ``iters`` steps, then the next system. With ``blocks=k`` every system of the
+    round is built and warmed up first, and then their ``iters`` timed steps alternate in ``k``
+    blocks (block ``b`` rotated by ``b`` again), so systems compared side by side are timed
+    within a fraction of a second of each other: a host whose speed drifts from second to second
+    moves both alike. A system's peak memory is then what it held after its warm-up plus the
+    most any of its blocks added. The round's figure is the median of the system's timed steps.
+    A system whose factory or step raises an ``Exception`` (out of memory, say) gets ``error``
+    set and is not run again; the others carry on.
 
     Args:
         systems: name -> zero-argument factory building a fresh model and optimizer and returning
             a zero-argument step callable, or a :class:`Run`.
         rounds: how many rounds.
-        iters: timed steps per run.
-        warmup: untimed steps per run, before the timed ones.
+        iters: timed steps per system and round.
+        warmup: untimed steps per system and round, before the timed ones.
         device: where the steps run.
         timer: passed to :func:`time_steps` (tests inject a synthetic clock).
-        on_run: called as ``on_run(round_index, name)`` before each run, e.g. to show progress.
+        on_run: called as ``on_run(round_index, name)`` before each system is built, e.g. to show progress.
+        blocks: how many alternating blocks the timed steps of a round are split into; 1 runs the
+            systems one after the other. More blocks pair the systems more tightly in time, at the
+            cost of holding all of a round's systems in memory at once.
 
     Returns:
         name -> :class:`Measurement`, in the order of ``systems``.
 
     Raises:
-        ValueError: ``rounds`` or ``iters`` is below 1, or ``systems`` is empty.
+        ValueError: ``rounds`` or ``iters`` is below 1, ``blocks`` is below 1 or above ``iters``,
+            or ``systems`` is empty.
     """
-    if rounds < 1 or iters < 1 or not systems:
-        raise ValueError(f"interleaved needs rounds >= 1, iters >= 1 and a system; got {rounds}, {iters}, {len(systems)}")
+    if rounds < 1 or iters < 1 or not systems or not 1 <= blocks <= iters:
+        raise ValueError("interleaved needs rounds >= 1, iters >= 1, 1 <= blocks <= iters and a system; "
+                         f"got rounds={rounds}, iters={iters}, blocks={blocks}, {len(systems)} systems")
     names = list(systems)
     settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device)}
+    if blocks > 1:
+        settings["blocks"] = blocks
     results = {name: Measurement(name, settings=dict(settings)) for name in names}
     for r in range(rounds):
         shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            m = results[name]
-            if m.error is not None:
-                continue
-            if on_run is not None:
-                on_run(r, name)
-            try:
-                ms, peak = _one_round(systems[name], iters=iters, warmup=warmup, device=device, timer=timer)
-            except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
-                m.error = f"{type(e).__name__}: {e}"
-                continue
-            m.rounds_ms.append(ms)
-            if peak is not None:
-                m.peak_mb = peak if m.peak_mb is None else max(m.peak_mb, peak)
+        order = [n for n in names[shift:] + names[:shift] if results[n].error is None]
+        if blocks > 1:
+            measured = _blocked_round(systems, order, r=r, iters=iters, warmup=warmup, blocks=blocks, device=device,
+                                      timer=timer, on_run=on_run) if order else {}
+        else:
+            measured = {name: _solo(systems[name], r, name, iters, warmup, device, timer, on_run) for name in order}
+        for name, got in measured.items():
+            _book(results[name], got)
     reset_memory(device)  # let the last system's memory go before the caller goes on
     for m in results.values():
         m.memory_kind = memory_kind(device) if m.peak_mb is not None else "n/a"
     return results
+
+
+def _solo(factory, r: int, name: str, iters: int, warmup: int, device: torch.device,
+          timer: Callable[[], float] | None, on_run: Callable[[int, str], None] | None):
+    """One system alone for one round: (median, peak), or the exception that stopped it."""
+    if on_run is not None:
+        on_run(r, name)
+    try:
+        return _one_round(factory, iters=iters, warmup=warmup, device=device, timer=timer)
+    except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
+        return e
+
+
+def _book(m: Measurement, got: tuple[float, float | None] | Exception) -> None:
+    if isinstance(got, Exception):
+        m.error = f"{type(got).__name__}: {got}"
+        return
+    ms, peak = got
+    m.rounds_ms.append(ms)
+    if peak is not None:
+        m.peak_mb = peak if m.peak_mb is None else max(m.peak_mb, peak)
 
 
 def paired_ratio(a, b) -> tuple[float, float, float]:

@@ -172,3 +172,113 @@ def test_recipe_json_keeps_rounds_for_every_configuration(tmp_path):
         s = r["settings"]
         assert (s["precision"], s["batch_size"], s["system"], s["model"], s["image_size"]) == ("fp32", 2, r["system"], "resnet18", 32)
         assert (s["iters"], s["warmup"], s["rounds"], s["fused"], s["compile"], s["channels_last"]) == (2, 1, 2, False, False, None)
+
+
+def test_blocks_alternate_the_timed_steps_and_rotate():
+    clock, log = FakeClock(), []
+
+    def factory(name):
+        def build():
+            log.append(f"build {name}")
+            return lambda: log.append(name)
+        return build
+
+    interleaved({"A": factory("A"), "B": factory("B")}, rounds=2, iters=4, warmup=1, blocks=2, device=CPU, timer=clock)
+    round0 = ["build A", "A", "build B", "B", "A", "A", "B", "B", "B", "B", "A", "A"]
+    round1 = ["build B", "B", "build A", "A", "B", "B", "A", "A", "A", "A", "B", "B"]
+    assert log == round0 + round1
+
+
+def _drifting(clock, base_ms, count):
+    """A factory whose steps take ``base_ms`` on a host that slows by 10% of its first speed with every step run."""
+    def factory():
+        def step():
+            count.append(1)
+            clock.now += base_ms * (1 + 0.1 * len(count)) / 1e3
+        return step
+    return factory
+
+
+def test_blocks_pair_systems_in_time_so_a_drifting_host_cancels_out():
+    """B costs 1.1x A on a host that keeps slowing down. Runs one after the other see the drift; blocks do not."""
+    def ratio(blocks):
+        clock, count = FakeClock(), []
+        result = interleaved({"A": _drifting(clock, 10.0, count), "B": _drifting(clock, 11.0, count)},
+                             rounds=3, iters=10, warmup=0, blocks=blocks, device=CPU, timer=clock)
+        return paired_ratio(result["B"], result["A"])
+
+    assert ratio(10)[0] == pytest.approx(1.1)
+    assert ratio(10)[1] == pytest.approx(1.1) and ratio(10)[2] == pytest.approx(1.1)
+    solo = ratio(1)
+    assert solo[2] - solo[1] > 0.5  # the same systems measured one after the other: rounds disagree wildly
+
+
+def test_blocks_a_failing_system_is_torn_down_and_the_others_are_measured():
+    clock, torn = FakeClock(), []
+
+    def bad():
+        calls = []
+
+        def step():
+            calls.append(1)
+            if len(calls) > 2:  # warm-up passes, the second timed block fails
+                raise RuntimeError("step broke")
+        return Run(step, teardown=lambda: torn.append("bad"))
+
+    def ok():
+        return Run(lambda: None, teardown=lambda: torn.append("ok"))
+
+    result = interleaved({"bad": bad, "ok": ok}, rounds=2, iters=2, warmup=1, blocks=2, device=CPU, timer=clock)
+    assert result["bad"].error == "RuntimeError: step broke" and result["bad"].rounds_ms == []
+    assert result["ok"].error is None and len(result["ok"].rounds_ms) == 2
+    assert torn == ["bad", "ok", "ok"]  # the failed one at once, then once per round for the other
+    assert result["ok"].settings["blocks"] == 2
+
+
+def test_blocks_must_fit_in_the_timed_steps():
+    with pytest.raises(ValueError, match="blocks=5"):
+        interleaved({"a": lambda: (lambda: None)}, iters=4, warmup=0, blocks=5, device=CPU)
+    with pytest.raises(ValueError, match="blocks=0"):
+        interleaved({"a": lambda: (lambda: None)}, iters=4, warmup=0, blocks=0, device=CPU)
+
+
+def test_blocks_peak_is_own_memory_plus_the_blocks_growth_not_the_others():
+    measure.reset_memory(CPU)
+    if measure.peak_mb(CPU) is None:
+        pytest.skip("/proc/self/clear_refs cannot reset the resident-set high-water mark here")
+
+    def holder(held_mb, step_mb):
+        def build():
+            held = torch.ones(held_mb * 2**20 // 4)
+
+            def step():
+                tmp = torch.ones(step_mb * 2**20 // 4)
+                return held[0] + tmp[-1]
+            return step
+        return build
+
+    result = interleaved({"small": holder(40, 20), "big": holder(160, 1)}, rounds=1, iters=2, warmup=1, blocks=2,
+                         device=CPU)
+    small, big = result["small"].peak_mb, result["big"].peak_mb
+    assert 30 < small < 120  # its own 40 MB and its step's 20 MB, not the other system's 160 MB
+    assert big > 120 and result["small"].memory_kind == "MB RSS"
+
+
+def test_blocks_enter_a_context_factory_once_per_block_and_refuse_a_one_shot_context():
+    import contextlib
+
+    clock, events = FakeClock(), []
+
+    @contextlib.contextmanager
+    def flags():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    result = interleaved({"a": lambda: Run(lambda: events.append("step"), context=flags)}, rounds=1, iters=2, warmup=1,
+                         blocks=2, device=CPU, timer=clock)
+    assert result["a"].error is None
+    assert events == ["enter", "step", "exit"] * 3  # the warm-up, then each of the two blocks
+    one_shot = interleaved({"a": lambda: Run(lambda: None, context=flags())}, rounds=1, iters=2, warmup=0, blocks=2,
+                           device=CPU, timer=clock)
+    assert one_shot["a"].error.startswith("TypeError: with blocks > 1 a Run's context is entered once per block")

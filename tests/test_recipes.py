@@ -31,12 +31,25 @@ def test_benchmark_recipe_times_the_trainer_step(monkeypatch):
     assert len(calls) == 3 * 3  # three rounds (the default) of one warm-up and two timed steps, all through Trainer.step
 
 
+def test_benchmark_recipe_blocks_time_both_systems_side_by_side(tmp_path, capsys):
+    out = tmp_path / "blocks.json"
+    resnet18_bench.main([*TINY, "--batch-sizes", "2", "--precisions", "bf16", "--rounds", "2", "--iters", "4",
+                         "--blocks", "2", "--json", str(out)])
+    assert "in 2 alternating blocks" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert {r["system"] for r in data["results"]} == {"precisionloop", "hand"}
+    for r in data["results"]:
+        assert r["error"] is None and len(r["rounds_ms"]) == 2 and r["settings"]["blocks"] == 2
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--precisions", "fp4"], "fp4"),
     (["--batch-sizes", "0"], "--batch-sizes"),
     (["--batch-sizes", "a,b"], "--batch-sizes"),
     (["--iters", "0"], "--iters"),
     (["--model", "resnet19"], "resnet18"),
+    (["--blocks", "0"], "--blocks must be >= 1"),
+    (["--iters", "2", "--blocks", "3"], "--blocks (3) cannot exceed --iters (2)"),
 ])
 def test_benchmark_recipe_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

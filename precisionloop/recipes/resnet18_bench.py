@@ -179,7 +179,7 @@ def system_factory(system: str, policy: PrecisionPolicy, batch_size: int, args, 
         else:  # on the Trainer's prepared model: for fp8, torchao's converted layers
             step = hand_loop_step(trainer.model, batch, policy, device, args.fused, compiled=bool(compile),
                                   loss_fn=loss_of(args), optimizer=args.optimizer)
-        return Run(step, context=policy.backend_flags(), teardown=lambda: skipped.append(trainer.stats.skipped))
+        return Run(step, context=policy.backend_flags, teardown=lambda: skipped.append(trainer.stats.skipped))
 
     return build
 
@@ -204,7 +204,7 @@ def measure(precision: str, batch_size: int, args, device: torch.device, systems
     skipped: dict[str, list[int]] = {s: [] for s in systems}
     factories = {s: system_factory(s, policy, batch_size, args, device, skipped[s]) for s in systems}
     measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=device,
-                           on_run=on_run)
+                           on_run=on_run, blocks=args.blocks)
     settings = {**settings_of(args), "compile": compile_for(policy, args, device) or False}  # per row: fp8 differs
     return [Result.from_measurement(m, precision, batch_size, sum(skipped[s]), **settings)
             for s, m in measured.items()]
@@ -307,6 +307,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds per configuration, a fresh model and optimizer each, the systems' order rotated "
                         "each round; the median over rounds is reported with the min-max spread (default 3)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="alternating blocks each round's timed steps are split into, the round's systems built side by "
+                        "side, so the Trainer and the hand loop are timed within a fraction of a second of each other "
+                        "(default 5 on CUDA; 1 on the CPU: one system after the other, each alone in memory)")
     p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default 224 on CUDA, 112 on the CPU; not for the transformer)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="force channels_last on or off (default: the policy's choice, on for CUDA)")
@@ -359,9 +363,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or default_bs)
     args.iters = args.iters if args.iters is not None else (50 if cuda else 6)
     args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 2)
-    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1)):
+    args.blocks = args.blocks if args.blocks is not None else (min(5, args.iters) if cuda else 1)
+    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
+                             ("--blocks", args.blocks, 1)):
         if value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
+    if args.blocks > args.iters:
+        p.error(f"--blocks ({args.blocks}) cannot exceed --iters ({args.iters}): each block needs a timed step")
     if transformer:
         _transformer_args(p, args, cuda)
     else:
@@ -480,7 +488,9 @@ def header(args: argparse.Namespace, env: dict) -> str:
     return (f"precisionloop benchmark: {args.model} training steps (forward, backward, {optimizer}), {env['date']}\n"
             f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
             f"{inputs}, {args.rounds} rounds (systems interleaved, a fresh model and optimizer "
-            f"each) of {args.warmup} warm-up + {args.iters} timed steps; median over rounds of per-round medians [min-max]"
+            f"each) of {args.warmup} warm-up + {args.iters} timed steps"
+            f"{f' in {args.blocks} alternating blocks' if args.blocks > 1 else ', one system at a time'}"
+            "; median over rounds of per-round medians [min-max]"
             f" | channels_last: {layout}")
 
 
