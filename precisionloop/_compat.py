@@ -6,9 +6,6 @@ and ``tests/test_compat.py`` pins each of them, so the break is loud, not silent
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 from torch import nn
 
@@ -39,16 +36,15 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-@contextlib.contextmanager
-def device_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> Iterator[None]:
-    """Hand ``found_inf`` to a fused optimizer's next ``step``, which then skips on the device.
+def step_with_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Step a fused optimizer with ``found_inf`` as its verdict: it skips the update on the device when set.
 
     This is the contract GradScaler uses with fused optimizers: ``grad_scale`` and
-    ``found_inf`` attributes read by ``step``.
+    ``found_inf`` attributes read by ``step``. They are removed again afterwards.
     """
     optimizer.grad_scale, optimizer.found_inf = None, found_inf
     try:
-        yield
+        optimizer.step()
     finally:
         del optimizer.grad_scale, optimizer.found_inf
 
@@ -88,25 +84,29 @@ def compile_error_types() -> tuple[type[BaseException], ...]:
     return (TorchDynamoException,)
 
 
-@contextlib.contextmanager
-def compiled_backward_like_eager() -> Iterator[None]:
+class compiled_backward_like_eager:
     """Inside the block, a compiled backward runs without autocast, as the step's eager backward does.
 
     torch's default (``backward_pass_autocast="same_as_forward"``) traces the backward under the
     forward's autocast, which recasts the backward of regions that ran with autocast off (the
-    ``keep_fp32`` modules) to bf16/fp16. Torch versions without the setting are left alone.
+    ``keep_fp32`` modules) to bf16/fp16. Torch versions without the setting are left alone. A
+    class, not a generator, and the setting set and restored by hand: it is entered every step.
     """
-    import torch._functorch.config as config
 
-    if not hasattr(config, "backward_pass_autocast"):
-        yield
-        return
-    saved = config.backward_pass_autocast  # set and restored by hand: config.patch costs more per step
-    config.backward_pass_autocast = "off"
-    try:
-        yield
-    finally:
-        config.backward_pass_autocast = saved
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> None:
+        import torch._functorch.config as config
+
+        self._saved = getattr(config, "backward_pass_autocast", None)
+        if self._saved is not None:
+            config.backward_pass_autocast = "off"
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            import torch._functorch.config as config
+
+            config.backward_pass_autocast = self._saved
 
 
 def cpu_bf16_native() -> bool:

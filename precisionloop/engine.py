@@ -227,11 +227,11 @@ class StepEngine:
         self.unsynced = bool(self.distributed) and not syncs
         self.micro += 1
         loss = loss.detach()
-        if self.compile_mode is not None:
-            loss = loss.clone()  # a CUDA-graph output would be overwritten by the next replay
         if self.micro < self.grad_accum_steps:
+            if self.compile_mode is not None:
+                loss = loss.clone()  # a CUDA-graph output would be overwritten by the next replay
             return StepResult(loss, due=False, scale=self.last_scale)
-        return self.optimizer_step(loss)
+        return self.optimizer_step(loss)  # it copies the loss into the verdict before anything replays
 
     def _compiled_step(self, batch: Any) -> StepResult:
         # Tells CUDA-graph trees a new iteration begins, so the last step's outputs may be reused; a no-op otherwise.
@@ -271,9 +271,13 @@ class StepEngine:
         self.guard.step(self.optimizer, found_inf)
         self.guard.update()
         scale = self.guard.scale_tensor()
-        # One small tensor carries the verdict, the loss and the scale to the host in one copy.
-        verdict = torch.cat([found_inf.reshape(1).float(), loss.reshape(1).float().to(found_inf.device)]
-                            + ([] if scale is None else [scale.reshape(1).float()]))
+        # One small fp32 tensor carries the verdict, the loss and the scale to the host in one copy.
+        if loss.device != found_inf.device:
+            loss = loss.to(found_inf.device)
+        parts = [found_inf, loss] + ([] if scale is None else [scale])
+        verdict = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in parts])  # one kernel; promotes dtypes
+        if verdict.dtype != torch.float32:
+            verdict = verdict.float()
         if scale is not None:
             self.last_scale = verdict[2]
         self.optimizer.zero_grad(set_to_none=True)
@@ -282,7 +286,7 @@ class StepEngine:
         self._book_later(verdict)
         if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales), once booked
             self.after_step()
-        return StepResult(loss, due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
+        return StepResult(verdict[1], due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
 
     def _book_later(self, verdict: torch.Tensor) -> None:
         if not verdict.is_cuda:

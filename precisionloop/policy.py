@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from typing import Callable, ClassVar, Iterator
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
@@ -89,19 +89,9 @@ class PrecisionPolicy:
         scaler = self.make_scaler(device_type)
         return ScalerGuard(scaler) if scaler is not None else FiniteGuard()
 
-    @contextlib.contextmanager
-    def backend_flags(self) -> Iterator[None]:
+    def backend_flags(self) -> contextlib.AbstractContextManager:
         """Set TF32 and ``cudnn.benchmark`` while the block runs, then restore the caller's values."""
-        saved = _read_flags()
-        wanted = (_tf32_flags(self.tf32), self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark)
-        if wanted == saved:  # already set (inside fit, or for the same policy): nothing to write or restore
-            yield
-            return
-        try:
-            _write_flags(*wanted)
-            yield
-        finally:
-            _write_flags(*saved)
+        return _BackendFlags((_tf32_flags(self.tf32), self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark))
 
     def check_compile(self, mode: str | None, device_type: str) -> None:
         """Say so (a warning) if this policy is known to run slowly with this compile mode; silent by default."""
@@ -526,3 +516,30 @@ def _write_flags(tf32: tuple, benchmark: bool) -> None:
     else:
         torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32 = tf32
     cudnn.benchmark = benchmark
+
+
+class _BackendFlags:
+    """The context manager of ``PrecisionPolicy.backend_flags``; a class, not a generator: Trainer.step enters one every step."""
+
+    __slots__ = ("_wanted", "_saved")
+
+    def __init__(self, wanted: tuple[tuple, bool]):
+        self._wanted = wanted
+        self._saved: tuple[tuple, bool] | None = None
+
+    def __enter__(self) -> None:
+        saved = _read_flags()
+        if saved == self._wanted:  # already set (inside fit, or for the same policy): nothing to write or restore
+            return
+        try:
+            _write_flags(*self._wanted)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a write refused midway (frozen cuDNN flags, say): undo the rest
+                _write_flags(*saved)
+            raise
+        self._saved = saved
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            saved, self._saved = self._saved, None
+            _write_flags(*saved)

@@ -53,12 +53,10 @@ def test_fused_optimizers_take_the_verdict_on_the_device():
     assert not _compat.skips_on_device(torch.optim.SGD(params, lr=0.1))
     optimizer = torch.optim.AdamW(params, lr=0.1, fused=True)
     before = [p.detach().clone() for p in params]
-    with _compat.device_verdict(optimizer, torch.ones(())):
-        optimizer.step()
+    _compat.step_with_verdict(optimizer, torch.ones(()))
     assert all(torch.equal(p, b) for p, b in zip(params, before))  # skipped on the device
     assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
-    with _compat.device_verdict(optimizer, torch.zeros(())):
-        optimizer.step()
+    _compat.step_with_verdict(optimizer, torch.zeros(()))
     assert not torch.equal(params[0], before[0])
 
 

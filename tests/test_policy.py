@@ -195,3 +195,29 @@ def test_public_api_is_explicit():
     for name in precisionloop.__all__:
         assert hasattr(precisionloop, name)
     assert issubclass(FP16Policy, PrecisionPolicy) and issubclass(BF16Policy, PrecisionPolicy)
+
+
+def test_backend_flags_undo_a_write_refused_midway_and_can_be_entered_again(monkeypatch):
+    policy = BF16Policy()
+    outside = (policy_mod._tf32_flags(False), False)
+    policy_mod._write_flags(*outside)
+    real_write = policy_mod._write_flags
+
+    def refusing(tf32, benchmark):
+        real_write(tf32, outside[1])  # the TF32 flags change, then cuDNN refuses (as under disable_global_flags)
+        if benchmark != outside[1]:
+            raise RuntimeError("not allowed to set torch.backends.cudnn flags")
+
+    try:
+        monkeypatch.setattr(policy_mod, "_write_flags", refusing)
+        with pytest.raises(RuntimeError, match="not allowed"), policy.backend_flags():
+            pass
+        assert _flags() == outside  # the TF32 half was undone
+        monkeypatch.setattr(policy_mod, "_write_flags", real_write)
+        flags = policy.backend_flags()
+        for _ in range(2):  # one object, entered twice in turn (measure.Run enters a context once per block)
+            with flags:
+                assert _flags() == (policy_mod._tf32_flags(True), True)
+            assert _flags() == outside
+    finally:
+        real_write(policy_mod._tf32_flags(True), False)

@@ -382,3 +382,34 @@ def test_a_raising_step_hook_leaves_a_load_whole(tmp_path):
     with pytest.raises(RuntimeError, match="hook failed"):
         trainer.load(tmp_path / "c.pt")
     assert trainer.global_step == 2  # everything else was restored before the hook ran
+
+
+def test_same_gradient_count_with_a_non_finite_sparse_gradient_is_caught():
+    from precisionloop.guard import FiniteGuard
+
+    guard = FiniteGuard()
+    dense = [torch.ones(3), torch.ones(2)]
+    assert guard.unscale_(None, dense).item() == 0  # all dense on one device: the next step of that count takes one kernel
+    sparse = torch.sparse_coo_tensor([[0]], [float("inf")], (3,))
+    assert guard.unscale_(None, [torch.ones(3), sparse]).item() == 1  # torch refuses the one kernel: grouped instead
+    assert guard.unscale_(None, [torch.ones(3), torch.tensor([1.0, float("nan")])]).item() == 1
+    assert guard.unscale_(None, dense).item() == 0
+
+
+class _HalfLoss(Trainer):
+    """A loss returned in bf16 and shaped (1,): the step's verdict must still read it right."""
+
+    def compute_loss(self, batch):
+        return super().compute_loss(batch).to(torch.bfloat16).reshape(1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_a_bf16_loss_of_shape_one_reaches_the_result_and_the_counters(precision):
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    trainer = _HalfLoss(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu")
+    x, y = batches(1)[0]
+    expected = nn.functional.cross_entropy(copy.deepcopy(model)(x), y).to(torch.bfloat16).item()
+    result = trainer.step((x, y))
+    assert result.loss == expected and result.stepped and trainer.engine.last_loss == expected
+    assert trainer.stats.steps == 1 and (result.scale is None) == (precision == "fp32")
