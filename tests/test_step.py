@@ -390,7 +390,7 @@ def test_same_gradient_count_with_a_non_finite_sparse_gradient_is_caught():
     guard = FiniteGuard()
     dense = [torch.ones(3), torch.ones(2)]
     assert guard.unscale_(None, dense).item() == 0  # all dense on one device: the next step of that count takes one kernel
-    sparse = torch.sparse_coo_tensor([[0]], [float("inf")], (3,))
+    sparse = torch.sparse_coo_tensor([[0]], [float("inf")], (3,), check_invariants=True)
     assert guard.unscale_(None, [torch.ones(3), sparse]).item() == 1  # torch refuses the one kernel: grouped instead
     assert guard.unscale_(None, [torch.ones(3), torch.tensor([1.0, float("nan")])]).item() == 1
     assert guard.unscale_(None, dense).item() == 0
