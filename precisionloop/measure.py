@@ -241,11 +241,13 @@ class _Live:
 
     run: Run
     own_mb: float | None
+    origin_mb: float | None  # the memory in use when the round began (CPU: its resident set)
     times: list[float] = dataclasses.field(default_factory=list)
     peak_mb: float | None = None
 
 
-def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, device: torch.device) -> _Live:
+def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, device: torch.device,
+           origin_mb: float | None) -> _Live:
     """Build an instance and run its warm-up steps; what it then holds is its own memory."""
     before = _resident_mb(device)
     run = _as_run(factory())
@@ -261,23 +263,36 @@ def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, de
         if run.teardown is not None:
             run.teardown()
         raise
-    return _Live(run, None if before is None or after is None else max(after - before, 0.0))
+    return _Live(run, None if before is None or after is None else max(after - before, 0.0), origin_mb)
 
 
-def _time_block(live: _Live, steps: int, device: torch.device, timer: Callable[[], float] | None) -> None:
-    """Time ``steps`` steps of one live instance; its peak is its own memory plus what the block added on top."""
-    if device.type == "cuda":
-        base = _resident_mb(device)
-    else:
+def _time_block(live: _Live, steps: int, device: torch.device, timer: Callable[[], float] | None,
+                held_by_others: float | None) -> None:
+    """Time ``steps`` steps of one live instance and update its peak memory.
+
+    The peak counts what a run alone would: the most memory in use during the block, over the
+    round's origin (CUDA: zero, an absolute figure; CPU: the resident set when the round began),
+    less what the round's other instances hold.
+    """
+    base = _resident_mb(device)
+    if device.type != "cuda":
         _reset_rss()
-        base = 0.0  # peak_mb on the CPU is already the growth since that reset
     run = live.run
     with _context(run):
         live.times += time_steps(run.step, iters=steps, warmup=0, device=device, timer=timer)
-    top = peak_mb(device)
-    if top is not None and live.own_mb is not None:
-        peak = live.own_mb + max(top - base, 0.0)
-        live.peak_mb = peak if live.peak_mb is None else max(live.peak_mb, peak)
+    top = _block_top(device, base)
+    if top is None or held_by_others is None or live.origin_mb is None:
+        return
+    peak = max(top - live.origin_mb - held_by_others, 0.0)
+    live.peak_mb = peak if live.peak_mb is None else max(live.peak_mb, peak)
+
+
+def _block_top(device: torch.device, base: float | None) -> float | None:
+    """The most memory in use since the block began: CUDA's peak allocated, or the CPU's resident set at its highest."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20  # time_steps restarted the counter
+    growth = peak_mb(device)
+    return None if growth is None or base is None else base + growth
 
 
 def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: int, iters: int, warmup: int,
@@ -288,6 +303,7 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
     Returns name -> (median step time, peak memory), or the exception that stopped that system.
     """
     reset_memory(device)
+    origin = 0.0 if device.type == "cuda" else _resident_mb(device)
     live: dict[str, _Live] = {}
     out: dict[str, tuple[float, float | None] | Exception] = {}
     try:
@@ -295,15 +311,16 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
             if on_run is not None:
                 on_run(r, name)
             try:
-                live[name] = _start(factories[name], warmup=warmup, device=device)
+                live[name] = _start(factories[name], warmup=warmup, device=device, origin_mb=origin)
             except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
                 out[name] = e
         for b in range(blocks):
             steps = iters // blocks + (b < iters % blocks)
             names = [n for n in order if n in live]
             for name in names[b % len(names):] + names[:b % len(names)] if names else []:
+                others = [x.own_mb for n, x in live.items() if n != name]
                 try:
-                    _time_block(live[name], steps, device, timer)
+                    _time_block(live[name], steps, device, timer, None if None in others else sum(others))
                 except Exception as e:  # noqa: BLE001
                     out[name] = e
                     _teardown(live.pop(name))
@@ -330,8 +347,9 @@ def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]],
     round is built and warmed up first, and then their ``iters`` timed steps alternate in ``k``
     blocks (block ``b`` rotated by ``b`` again), so systems compared side by side are timed
     within a fraction of a second of each other: a host whose speed drifts from second to second
-    moves both alike. A system's peak memory is then what it held after its warm-up plus the
-    most any of its blocks added. The round's figure is the median of the system's timed steps.
+    moves both alike. A system's peak memory is then the most memory in use during its blocks,
+    less what the round's other systems held after their warm-up; like a run alone, it counts
+    memory the process keeps for everyone (cuBLAS workspaces, say). The round's figure is the median of the system's timed steps.
     A system whose factory or step raises an ``Exception`` (out of memory, say) gets ``error``
     set and is not run again; the others carry on.
 

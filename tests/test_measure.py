@@ -282,3 +282,44 @@ def test_blocks_enter_a_context_factory_once_per_block_and_refuse_a_one_shot_con
     one_shot = interleaved({"a": lambda: Run(lambda: None, context=flags())}, rounds=1, iters=2, warmup=0, blocks=2,
                            device=CPU, timer=clock)
     assert one_shot["a"].error.startswith("TypeError: with blocks > 1 a Run's context is entered once per block")
+
+
+def test_blocks_count_memory_the_process_keeps_for_everyone_as_a_run_alone_would(monkeypatch):
+    """CUDA's accounting, on a fake allocator: a workspace the first system's warm-up allocates and the
+    process keeps (cuBLAS's, say) is in use during every later run, so both systems' peaks count it."""
+    mem = {"used": 0.0, "top": 0.0}
+
+    def use(mb):
+        mem["used"] += mb
+        mem["top"] = max(mem["top"], mem["used"])
+
+    def system(own, transient):
+        def build():
+            use(own)
+
+            def step():
+                if "workspace" not in mem:
+                    mem["workspace"] = True
+                    use(64.0)  # kept for the process's life
+                use(transient)
+                use(-transient)
+            return Run(step, teardown=lambda: use(-own))
+        return build
+
+    def fake_time_steps(step, *, iters, warmup, device, timer=None):
+        for _ in range(warmup):
+            step()
+        mem["top"] = mem["used"]  # as torch.cuda.reset_peak_memory_stats after the warm-up
+        for _ in range(iters):
+            step()
+        return [1.0] * iters
+
+    monkeypatch.setattr(measure, "reset_memory", lambda device: None)
+    monkeypatch.setattr(measure, "time_steps", fake_time_steps)
+    monkeypatch.setattr(measure, "_resident_mb", lambda device: mem["used"])
+    monkeypatch.setattr(measure, "_block_top", lambda device, base: mem["top"])
+    result = interleaved({"a": system(100.0, 10.0), "b": system(300.0, 30.0)}, rounds=2, iters=2, warmup=1, blocks=2,
+                         device=torch.device("cuda"))
+    # Alone, a would peak at its 100 + 10 and b at 300 + 30, each plus the 64 MB workspace.
+    assert result["a"].peak_mb == pytest.approx(174.0) and result["b"].peak_mb == pytest.approx(394.0)
+    assert result["a"].memory_kind == "MB" and mem["used"] == pytest.approx(64.0)  # both torn down
