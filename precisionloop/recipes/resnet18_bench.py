@@ -4,7 +4,8 @@ Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. The
 ``step`` is what is timed; a hand-written torch.amp loop with identical settings runs beside it
 in the same process, and the ratio of the two is the wrapper's cost. Each configuration is timed
 in several interleaved rounds (``precisionloop.measure.interleaved``), a fresh model and optimizer
-each round, and reported as the median over rounds with the rounds' min-max spread.
+each round, on CUDA the two systems' timed steps alternating in blocks (``--blocks``), and reported
+as the median over rounds with the rounds' min-max spread.
 
 ``--model transformer`` times a Linear-heavy decoder stack (``precisionloop.recipes.models``) on
 random tokens instead of a torchvision model on random images: on CUDA by default the reference
