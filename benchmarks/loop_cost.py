@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default=None, help="default: cuda (the cost that matters is on a GPU)")
     args = p.parse_args(argv)
+    if args.blocks < 1:
+        p.error(f"--blocks must be >= 1, got {args.blocks}")
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configs = DEFAULT_CONFIGS if args.configs is None else [DEFAULT_CONFIGS[int(i)] for i in args.configs.split(",")]
     before = load_before(args.before) if args.before else None

@@ -98,15 +98,19 @@ class compiled_backward_like_eager:
     def __enter__(self) -> None:
         import torch._functorch.config as config
 
+        if hasattr(self, "_saved"):  # entered twice: the inner exit would leave the setting "off" for good
+            raise RuntimeError("compiled_backward_like_eager() is already entered; use a new one")
         self._saved = getattr(config, "backward_pass_autocast", None)
         if self._saved is not None:
             config.backward_pass_autocast = "off"
 
     def __exit__(self, *exc) -> None:
-        if self._saved is not None:
+        saved = self._saved
+        del self._saved
+        if saved is not None:
             import torch._functorch.config as config
 
-            config.backward_pass_autocast = self._saved
+            config.backward_pass_autocast = saved
 
 
 def cpu_bf16_native() -> bool:

@@ -150,8 +150,9 @@ class Run:
     ``context`` is entered around the warm-up and the timed steps: a context manager (a policy's
     ``backend_flags()``, say), or a zero-argument callable returning a fresh one (the bound
     ``policy.backend_flags``). With ``blocks > 1`` it is entered once per block, so it must be
-    the callable: a generator-based context manager cannot be entered twice. ``teardown`` is
-    called after the steps, before the instance is dropped (to read counters such as ``trainer.stats``).
+    the callable: a context manager object is refused there, since many (every generator-based
+    one) cannot be entered twice. ``teardown`` is called after the steps, before the instance is
+    dropped (to read counters such as ``trainer.stats``).
     """
 
     step: Callable[[], object]
@@ -216,6 +217,7 @@ def _one_round(factory: Callable[[], Callable[[], object] | Run], *, iters: int,
 
 
 def _as_run(made: Callable[[], object] | Run) -> Run:
+    """A factory's result as a Run."""
     return made if isinstance(made, Run) else Run(made)
 
 
@@ -274,9 +276,10 @@ def _time_block(live: _Live, steps: int, device: torch.device, timer: Callable[[
     round's origin (CUDA: zero, an absolute figure; CPU: the resident set when the round began),
     less what the round's other instances hold.
     """
-    base = _resident_mb(device)
+    base = None
     if device.type != "cuda":
-        _reset_rss()
+        _reset_rss()  # trims the heap first, so the resident set is read after it
+        base = _resident_mb(device)
     run = live.run
     with _context(run):
         live.times += time_steps(run.step, iters=steps, warmup=0, device=device, timer=timer)
@@ -297,15 +300,15 @@ def _block_top(device: torch.device, base: float | None) -> float | None:
 
 def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: int, iters: int, warmup: int,
                    blocks: int, device: torch.device, timer: Callable[[], float] | None,
-                   on_run: Callable[[int, str], None] | None) -> dict[str, tuple[float, float | None] | Exception]:
+                   on_run: Callable[[int, str], None] | None) -> dict[str, tuple[float, float | None] | str]:
     """Build every system in ``order``, warm each up, then time them in ``blocks`` alternating blocks of steps.
 
-    Returns name -> (median step time, peak memory), or the exception that stopped that system.
+    Returns name -> (median step time, peak memory), or the error that stopped that system, as text.
     """
     reset_memory(device)
     origin = 0.0 if device.type == "cuda" else _resident_mb(device)
     live: dict[str, _Live] = {}
-    out: dict[str, tuple[float, float | None] | Exception] = {}
+    out: dict[str, tuple[float, float | None] | str] = {}
     try:
         for name in order:
             if on_run is not None:
@@ -313,7 +316,7 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
             try:
                 live[name] = _start(factories[name], warmup=warmup, device=device, origin_mb=origin)
             except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
-                out[name] = e
+                out[name] = _error(e)
         for b in range(blocks):
             steps = iters // blocks + (b < iters % blocks)
             names = [n for n in order if n in live]
@@ -321,8 +324,8 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
                 others = [x.own_mb for n, x in live.items() if n != name]
                 try:
                     _time_block(live[name], steps, device, timer, None if None in others else sum(others))
-                except Exception as e:  # noqa: BLE001
-                    out[name] = e
+                except Exception as e:  # noqa: BLE001 - as above
+                    out[name] = _error(e)
                     _teardown(live.pop(name))
         out.update({name: (statistics.median(x.times), x.peak_mb) for name, x in live.items()})
         return out
@@ -331,7 +334,13 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
             _teardown(x)
 
 
+def _error(e: Exception) -> str:
+    """The error as text: keeping the exception would keep its traceback's frames, and the failed instance, alive."""
+    return f"{type(e).__name__}: {e}"
+
+
 def _teardown(live: _Live) -> None:
+    """Call a live instance's teardown, if it has one."""
     if live.run.teardown is not None:
         live.run.teardown()
 
@@ -349,8 +358,10 @@ def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]],
     within a fraction of a second of each other: a host whose speed drifts from second to second
     moves both alike. A system's peak memory is then the most memory in use during its blocks,
     less what the round's other systems held after their warm-up; like a run alone, it counts
-    memory the process keeps for everyone (cuBLAS workspaces, say). The round's figure is the median of the system's timed steps.
-    A system whose factory or step raises an ``Exception`` (out of memory, say) gets ``error``
+    memory the process keeps for everyone (cuBLAS workspaces, say), from the second round on:
+    in the first, such memory is counted only for the system whose warm-up allocated it, so use
+    ``rounds >= 2`` where peaks matter. The round's figure is the median of the system's timed
+    steps. A system whose factory or step raises an ``Exception`` (out of memory, say) gets ``error``
     set and is not run again; the others carry on.
 
     Args:
@@ -397,20 +408,22 @@ def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]],
     return results
 
 
-def _solo(factory, r: int, name: str, iters: int, warmup: int, device: torch.device,
-          timer: Callable[[], float] | None, on_run: Callable[[int, str], None] | None):
-    """One system alone for one round: (median, peak), or the exception that stopped it."""
+def _solo(factory: Callable[[], Callable[[], object] | Run], r: int, name: str, iters: int, warmup: int,
+          device: torch.device, timer: Callable[[], float] | None,
+          on_run: Callable[[int, str], None] | None) -> tuple[float, float | None] | str:
+    """One system alone for one round: (median, peak), or the error that stopped it, as text."""
     if on_run is not None:
         on_run(r, name)
     try:
         return _one_round(factory, iters=iters, warmup=warmup, device=device, timer=timer)
     except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
-        return e
+        return _error(e)
 
 
-def _book(m: Measurement, got: tuple[float, float | None] | Exception) -> None:
-    if isinstance(got, Exception):
-        m.error = f"{type(got).__name__}: {got}"
+def _book(m: Measurement, got: tuple[float, float | None] | str) -> None:
+    """Add one round's result (or its error) to a measurement."""
+    if isinstance(got, str):
+        m.error = got
         return
     ms, peak = got
     m.rounds_ms.append(ms)

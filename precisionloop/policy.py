@@ -91,7 +91,8 @@ class PrecisionPolicy:
 
     def backend_flags(self) -> contextlib.AbstractContextManager:
         """Set TF32 and ``cudnn.benchmark`` while the block runs, then restore the caller's values."""
-        return _BackendFlags((_tf32_flags(self.tf32), self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark))
+        benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
+        return _BackendFlags((_tf32_flags(self.tf32), benchmark))
 
     def check_compile(self, mode: str | None, device_type: str) -> None:
         """Say so (a warning) if this policy is known to run slowly with this compile mode; silent by default."""
@@ -519,27 +520,36 @@ def _write_flags(tf32: tuple, benchmark: bool) -> None:
 
 
 class _BackendFlags:
-    """The context manager of ``PrecisionPolicy.backend_flags``; a class, not a generator: Trainer.step enters one every step."""
+    """The context manager of ``PrecisionPolicy.backend_flags``.
 
-    __slots__ = ("_wanted", "_saved")
+    A class, not a generator: Trainer.step enters one every step. One object may be entered
+    again after it exits, but not while it is open (its exit would restore the wrong flags).
+    """
+
+    __slots__ = ("_wanted", "_saved", "_open")
 
     def __init__(self, wanted: tuple[tuple, bool]):
         self._wanted = wanted
         self._saved: tuple[tuple, bool] | None = None
+        self._open = False
 
     def __enter__(self) -> None:
+        if self._open:
+            raise RuntimeError("this backend_flags() context is already open; call policy.backend_flags() again "
+                               "for a nested one")
         saved = _read_flags()
-        if saved == self._wanted:  # already set (inside fit, or for the same policy): nothing to write or restore
-            return
-        try:
-            _write_flags(*self._wanted)
-        except BaseException:
-            with contextlib.suppress(Exception):  # a write refused midway (frozen cuDNN flags, say): undo the rest
-                _write_flags(*saved)
-            raise
-        self._saved = saved
+        if saved != self._wanted:  # else already set (inside fit, or for the same policy): nothing to write or restore
+            try:
+                _write_flags(*self._wanted)
+            except BaseException:
+                with contextlib.suppress(Exception):  # a write refused midway (frozen cuDNN flags, say): undo the rest
+                    _write_flags(*saved)
+                raise
+            self._saved = saved
+        self._open = True
 
     def __exit__(self, *exc) -> None:
+        self._open = False
         if self._saved is not None:
             saved, self._saved = self._saved, None
             _write_flags(*saved)

@@ -242,7 +242,7 @@ def test_blocks_must_fit_in_the_timed_steps():
         interleaved({"a": lambda: (lambda: None)}, iters=4, warmup=0, blocks=0, device=CPU)
 
 
-def test_blocks_peak_is_own_memory_plus_the_blocks_growth_not_the_others():
+def test_blocks_cpu_peak_counts_a_systems_memory_and_not_the_others():
     measure.reset_memory(CPU)
     if measure.peak_mb(CPU) is None:
         pytest.skip("/proc/self/clear_refs cannot reset the resident-set high-water mark here")
@@ -323,3 +323,36 @@ def test_blocks_count_memory_the_process_keeps_for_everyone_as_a_run_alone_would
     # Alone, a would peak at its 100 + 10 and b at 300 + 30, each plus the 64 MB workspace.
     assert result["a"].peak_mb == pytest.approx(174.0) and result["b"].peak_mb == pytest.approx(394.0)
     assert result["a"].memory_kind == "MB" and mem["used"] == pytest.approx(64.0)  # both torn down
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_a_failed_instance_is_released_before_the_next_system_is_built(blocks):
+    """Out of memory in one system must not leave its model alive while the others run (their peaks, more OOMs)."""
+    import gc
+    import weakref
+
+    refs, alive_at_build = [], []
+
+    class Model:
+        pass
+
+    def failing():
+        model = Model()
+        refs.append(weakref.ref(model))
+
+        def step():
+            step.calls += 1
+            if step.calls > 1:  # the warm-up step passes, the first timed one fails
+                raise RuntimeError("CUDA out of memory (pretend)")
+        step.calls, step.model = 0, model  # the step holds the model, as a real one would
+        return step
+
+    def on_run(r, name):
+        gc.collect()
+        alive_at_build.append((r, name, [ref() is not None for ref in refs]))
+
+    result = interleaved({"fails": failing, "ok": lambda: (lambda: None)}, rounds=2, iters=2, warmup=1, blocks=blocks,
+                         device=CPU, timer=FakeClock(), on_run=on_run)
+    assert result["fails"].error == "RuntimeError: CUDA out of memory (pretend)"
+    later = [alive for r, name, alive in alive_at_build if name == "ok" and (blocks == 1 or r > 0)]
+    assert later and not any(any(alive) for alive in later), alive_at_build

@@ -221,3 +221,20 @@ def test_backend_flags_undo_a_write_refused_midway_and_can_be_entered_again(monk
             assert _flags() == outside
     finally:
         real_write(policy_mod._tf32_flags(True), False)
+
+
+def test_backend_flags_and_the_compiled_backward_setting_refuse_to_be_entered_twice_while_open():
+    from precisionloop import _compat
+
+    flags = BF16Policy().backend_flags()
+    with flags:
+        with pytest.raises(RuntimeError, match="already open"):
+            flags.__enter__()
+    with flags:  # and again once closed
+        pass
+    eager = _compat.compiled_backward_like_eager()
+    with eager:
+        with pytest.raises(RuntimeError, match="already entered"):
+            eager.__enter__()
+    with eager:
+        pass
