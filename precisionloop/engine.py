@@ -271,12 +271,12 @@ class StepEngine:
         self.guard.step(self.optimizer, found_inf)
         self.guard.update()
         scale = self.guard.scale_tensor()
-        # One small fp32 tensor carries the verdict, the loss and the scale to the host in one copy.
+        # One small fp32 (fp64 for a float64 loss) tensor carries the verdict, the loss and the scale to the host.
         if loss.device != found_inf.device:
             loss = loss.to(found_inf.device)
         parts = [found_inf, loss] + ([] if scale is None else [scale])
         verdict = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in parts])  # one kernel; promotes dtypes
-        if verdict.dtype != torch.float32:
+        if verdict.dtype not in (torch.float32, torch.float64):  # a float64 loss keeps its digits
             verdict = verdict.float()
         if scale is not None:
             self.last_scale = verdict[2]
@@ -294,7 +294,7 @@ class StepEngine:
             self.settle()
             return
         # One pinned buffer and one event, reused: the last step was settled before this copy is queued.
-        if self._host is None or self._host.shape != verdict.shape:
+        if self._host is None or self._host.shape != verdict.shape or self._host.dtype != verdict.dtype:
             self._host = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
             self._event = torch.cuda.Event()
         self._host.copy_(verdict, non_blocking=True)

@@ -173,9 +173,10 @@ class FiniteGuard:
             found = torch.zeros((), dtype=torch.float32, device=device)
             try:
                 _compat.non_finite_check_(grads, found, self._ones_on(device))
-                return self._agree(found)
             except (RuntimeError, NotImplementedError):
                 self._plain = -1
+            else:
+                return self._agree(found)  # outside the try: a failed collective is not retried
         return self._grouped(grads)
 
     def _grouped(self, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import numbers
 import os
 import statistics
 import time
@@ -221,11 +222,16 @@ def _as_run(made: Callable[[], object] | Run) -> Run:
     return made if isinstance(made, Run) else Run(made)
 
 
+def _is_context_object(context: object) -> bool:
+    """A context manager instance, as opposed to a factory of them (a class such as ``torch.no_grad`` is one)."""
+    return hasattr(context, "__enter__") and not isinstance(context, type)
+
+
 def _context(run: Run) -> ContextManager:
     """The run's context to enter now: none, the context manager it holds, or a fresh one from its factory."""
     if run.context is None:
         return contextlib.nullcontext()
-    return run.context if hasattr(run.context, "__enter__") else run.context()
+    return run.context if _is_context_object(run.context) else run.context()
 
 
 def _resident_mb(device: torch.device) -> float | None:
@@ -254,7 +260,7 @@ def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, de
     before = _resident_mb(device)
     run = _as_run(factory())
     try:
-        if hasattr(run.context, "__enter__"):
+        if _is_context_object(run.context):
             raise TypeError("with blocks > 1 a Run's context is entered once per block: give a zero-argument callable "
                             f"returning a fresh context manager, not the context manager {run.context!r}")
         with _context(run):
@@ -326,12 +332,14 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
                     _time_block(live[name], steps, device, timer, None if None in others else sum(others))
                 except Exception as e:  # noqa: BLE001 - as above
                     out[name] = _error(e)
-                    _teardown(live.pop(name))
+                    _teardown(live.pop(name))  # the step's error is the one to report
         out.update({name: (statistics.median(x.times), x.peak_mb) for name, x in live.items()})
         return out
     finally:
-        for x in live.values():
-            _teardown(x)
+        for name, x in live.items():
+            failed = _teardown(x)
+            if failed is not None:
+                out[name] = failed
 
 
 def _error(e: Exception) -> str:
@@ -339,10 +347,15 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _teardown(live: _Live) -> None:
-    """Call a live instance's teardown, if it has one."""
-    if live.run.teardown is not None:
+def _teardown(live: _Live) -> str | None:
+    """Call a live instance's teardown, if it has one; its error as text, so the others still get theirs."""
+    if live.run.teardown is None:
+        return None
+    try:
         live.run.teardown()
+    except Exception as e:  # noqa: BLE001 - one failing teardown must not skip the others' or lose the results
+        return _error(e)
+    return None
 
 
 def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]], *, rounds: int = 3, iters: int,
@@ -381,12 +394,18 @@ def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]],
         name -> :class:`Measurement`, in the order of ``systems``.
 
     Raises:
-        ValueError: ``rounds`` or ``iters`` is below 1, ``blocks`` is below 1 or above ``iters``,
-            or ``systems`` is empty.
+        ValueError: a count is not a whole number, ``rounds`` or ``iters`` is below 1, ``warmup``
+            below 0 (below 1 with blocks), ``blocks`` below 1 or above ``iters``, or ``systems`` is empty.
     """
-    if rounds < 1 or iters < 1 or not systems or not 1 <= blocks <= iters:
-        raise ValueError("interleaved needs rounds >= 1, iters >= 1, 1 <= blocks <= iters and a system; "
-                         f"got rounds={rounds}, iters={iters}, blocks={blocks}, {len(systems)} systems")
+    counts = {"rounds": rounds, "iters": iters, "blocks": blocks, "warmup": warmup}
+    if any(not isinstance(v, numbers.Integral) for v in counts.values()):
+        raise ValueError(f"interleaved needs whole numbers; got {counts}")
+    if rounds < 1 or iters < 1 or warmup < 0 or not systems or not 1 <= blocks <= iters:
+        raise ValueError("interleaved needs rounds >= 1, iters >= 1, warmup >= 0, 1 <= blocks <= iters and a system; "
+                         f"got rounds={rounds}, iters={iters}, warmup={warmup}, blocks={blocks}, {len(systems)} systems")
+    if blocks > 1 and warmup < 1:
+        raise ValueError("blocks > 1 needs warmup >= 1: what each system holds is read after its warm-up, before the "
+                         "blocks, and memory it allocated only in its first timed step would count against the others")
     names = list(systems)
     settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device)}
     if blocks > 1:

@@ -204,7 +204,7 @@ def test_blocks_pair_systems_in_time_so_a_drifting_host_cancels_out():
     def ratio(blocks):
         clock, count = FakeClock(), []
         result = interleaved({"A": _drifting(clock, 10.0, count), "B": _drifting(clock, 11.0, count)},
-                             rounds=3, iters=10, warmup=0, blocks=blocks, device=CPU, timer=clock)
+                             rounds=3, iters=10, warmup=1, blocks=blocks, device=CPU, timer=clock)
         return paired_ratio(result["B"], result["A"])
 
     assert ratio(10)[0] == pytest.approx(1.1)
@@ -279,7 +279,7 @@ def test_blocks_enter_a_context_factory_once_per_block_and_refuse_a_one_shot_con
                          blocks=2, device=CPU, timer=clock)
     assert result["a"].error is None
     assert events == ["enter", "step", "exit"] * 3  # the warm-up, then each of the two blocks
-    one_shot = interleaved({"a": lambda: Run(lambda: None, context=flags())}, rounds=1, iters=2, warmup=0, blocks=2,
+    one_shot = interleaved({"a": lambda: Run(lambda: None, context=flags())}, rounds=1, iters=2, warmup=1, blocks=2,
                            device=CPU, timer=clock)
     assert one_shot["a"].error.startswith("TypeError: with blocks > 1 a Run's context is entered once per block")
 
@@ -356,3 +356,39 @@ def test_a_failed_instance_is_released_before_the_next_system_is_built(blocks):
     assert result["fails"].error == "RuntimeError: CUDA out of memory (pretend)"
     later = [alive for r, name, alive in alive_at_build if name == "ok" and (blocks == 1 or r > 0)]
     assert later and not any(any(alive) for alive in later), alive_at_build
+
+
+def test_blocks_a_raising_teardown_is_that_systems_error_and_the_others_are_torn_down_and_kept():
+    torn = []
+
+    def bad():
+        return Run(lambda: None, teardown=lambda: (torn.append("bad"), 1 / 0))
+
+    def ok():
+        return Run(lambda: None, teardown=lambda: torn.append("ok"))
+
+    result = interleaved({"bad": bad, "ok": ok}, rounds=2, iters=2, warmup=1, blocks=2, device=CPU, timer=FakeClock())
+    assert result["bad"].error == "ZeroDivisionError: division by zero"
+    assert result["ok"].error is None and len(result["ok"].rounds_ms) == 2
+    assert torn == ["bad", "ok", "ok"]
+
+
+def test_a_context_class_is_a_factory_of_contexts():
+    for blocks in (1, 2):
+        result = interleaved({"a": lambda: Run(lambda: None, context=torch.no_grad)}, rounds=1, iters=2, warmup=1,
+                             blocks=blocks, device=CPU, timer=FakeClock())
+        assert result["a"].error is None and len(result["a"].rounds_ms) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"blocks": 2.0}, "whole numbers"),
+    ({"iters": 4.5}, "whole numbers"),
+    ({"blocks": 2, "warmup": 0}, "needs warmup >= 1"),
+    ({"warmup": -1}, "warmup >= 0"),
+])
+def test_bad_counts_are_refused_before_anything_is_built(kwargs, message):
+    built = []
+    args = {"rounds": 1, "iters": 4, "warmup": 1, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        interleaved({"a": lambda: built.append(1) or (lambda: None)}, device=CPU, **args)
+    assert built == []

@@ -51,6 +51,7 @@ def test_benchmark_recipe_blocks_time_both_systems_side_by_side(tmp_path, capsys
     (["--model", "resnet19"], "resnet18"),
     (["--blocks", "0"], "--blocks must be >= 1"),
     (["--iters", "2", "--blocks", "3"], "--blocks (3) cannot exceed --iters (2)"),
+    (["--blocks", "2", "--warmup", "0"], "--blocks 2 needs --warmup >= 1"),
 ])
 def test_benchmark_recipe_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -413,3 +413,35 @@ def test_a_bf16_loss_of_shape_one_reaches_the_result_and_the_counters(precision)
     result = trainer.step((x, y))
     assert result.loss == expected and result.stepped and trainer.engine.last_loss == expected
     assert trainer.stats.steps == 1 and (result.scale is None) == (precision == "fp32")
+
+
+def test_a_float64_loss_keeps_its_digits_on_due_and_non_due_steps():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", grad_accum_steps=2,
+                      loss_fn=lambda out, y: nn.functional.cross_entropy(out.double(), y))
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    with torch.no_grad():
+        exact = nn.functional.cross_entropy(model(x).double(), y).item()
+    first, second = trainer.step((x, y)), trainer.step((x, y))
+    assert first.loss == exact and second.loss == exact and second.stepped
+    assert trainer.engine.last_loss == exact
+
+
+def test_a_failing_collective_on_the_one_kernel_path_is_raised_not_retried():
+    from precisionloop.guard import FiniteGuard
+
+    calls = []
+
+    def all_reduce_max(found):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("collective failed")
+        return found
+
+    guard = FiniteGuard(all_reduce_max=all_reduce_max)
+    grads = [torch.ones(3), torch.ones(2)]
+    guard.unscale_(None, grads)  # the grouping path; the next call of this count takes the one kernel
+    with pytest.raises(RuntimeError, match="collective failed"):
+        guard.unscale_(None, grads)
+    assert len(calls) == 2

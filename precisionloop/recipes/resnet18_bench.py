@@ -371,6 +371,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"{flag} must be >= {low}, got {value}")
     if args.blocks > args.iters:
         p.error(f"--blocks ({args.blocks}) cannot exceed --iters ({args.iters}): each block needs a timed step")
+    if args.blocks > 1 and args.warmup < 1:
+        p.error(f"--blocks {args.blocks} needs --warmup >= 1 (what each system holds is read after its warm-up); "
+                "or pass --blocks 1")
     if transformer:
         _transformer_args(p, args, cuda)
     else:
