@@ -215,7 +215,7 @@ def test_backend_flags_undo_a_write_refused_midway_and_can_be_entered_again(monk
         assert _flags() == outside  # the TF32 half was undone
         monkeypatch.setattr(policy_mod, "_write_flags", real_write)
         flags = policy.backend_flags()
-        for _ in range(2):  # one object, entered twice in turn (measure.Run enters a context once per block)
+        for _ in range(2):  # one object, entered twice in turn
             with flags:
                 assert _flags() == (policy_mod._tf32_flags(True), True)
             assert _flags() == outside
