@@ -249,13 +249,11 @@ class _Live:
 
     run: Run
     own_mb: float | None
-    origin_mb: float | None  # the memory in use when the round began (CPU: its resident set)
     times: list[float] = dataclasses.field(default_factory=list)
     peak_mb: float | None = None
 
 
-def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, device: torch.device,
-           origin_mb: float | None) -> _Live:
+def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, device: torch.device) -> _Live:
     """Build an instance and run its warm-up steps; what it then holds is its own memory."""
     before = _resident_mb(device)
     run = _as_run(factory())
@@ -271,11 +269,11 @@ def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, de
         if run.teardown is not None:
             run.teardown()
         raise
-    return _Live(run, None if before is None or after is None else max(after - before, 0.0), origin_mb)
+    return _Live(run, None if before is None or after is None else max(after - before, 0.0))
 
 
 def _time_block(live: _Live, steps: int, device: torch.device, timer: Callable[[], float] | None,
-                held_by_others: float | None) -> None:
+                origin_mb: float | None, held_by_others: float | None) -> None:
     """Time ``steps`` steps of one live instance and update its peak memory.
 
     The peak counts what a run alone would: the most memory in use during the block, over the
@@ -290,9 +288,9 @@ def _time_block(live: _Live, steps: int, device: torch.device, timer: Callable[[
     with _context(run):
         live.times += time_steps(run.step, iters=steps, warmup=0, device=device, timer=timer)
     top = _block_top(device, base)
-    if top is None or held_by_others is None or live.origin_mb is None:
+    if top is None or held_by_others is None or origin_mb is None:
         return
-    peak = max(top - live.origin_mb - held_by_others, 0.0)
+    peak = max(top - origin_mb - held_by_others, 0.0)
     live.peak_mb = peak if live.peak_mb is None else max(live.peak_mb, peak)
 
 
@@ -320,7 +318,7 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
             if on_run is not None:
                 on_run(r, name)
             try:
-                live[name] = _start(factories[name], warmup=warmup, device=device, origin_mb=origin)
+                live[name] = _start(factories[name], warmup=warmup, device=device)
             except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
                 out[name] = _error(e)
         for b in range(blocks):
@@ -329,7 +327,7 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
             for name in names[b % len(names):] + names[:b % len(names)] if names else []:
                 others = [x.own_mb for n, x in live.items() if n != name]
                 try:
-                    _time_block(live[name], steps, device, timer, None if None in others else sum(others))
+                    _time_block(live[name], steps, device, timer, origin, None if None in others else sum(others))
                 except Exception as e:  # noqa: BLE001 - as above
                     out[name] = _error(e)
                     _teardown(live.pop(name))  # the step's error is the one to report
