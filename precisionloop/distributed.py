@@ -150,16 +150,21 @@ def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.dev
     if missing:
         raise ValueError(f"{type(policy).__name__}.prepare_sharding returned a model without parameter(s) "
                          f"{', '.join(missing[:3])} that the optimizer holds; it must keep the parameter names")
-    model = _shard(model, policy)
+    model = _shard(model, policy, device)
     sharded = dict(model.named_parameters())
     for group, group_names in zip(optimizer.param_groups, held):
         group["params"] = [sharded[n] for n in group_names]
     return model
 
 
-def _shard(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
+def _shard(model: nn.Module, policy: PrecisionPolicy, device: torch.device) -> nn.Module:
     """``fully_shard`` kept modules and affine batch norms (fp32), then each child of the root, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    # On the Trainer's device: fully_shard's default mesh takes the machine's accelerator, so a CPU
+    # run on a host with a GPU would shard onto CUDA (and fail on a rank without a GPU of its own).
+    mesh = init_device_mesh(device.type, (world_size(),))
 
     reduced = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
     # Parameters are cast to the policy's compute dtype for forward/backward; gradients reduce in fp32.
@@ -170,13 +175,13 @@ def _shard(model: nn.Module, policy: PrecisionPolicy) -> nn.Module:
     for module in reversed(list(model.modules())):  # inner modules first: fully_shard goes bottom-up
         kept = fp32_modules.is_kept(module) or (_compat.is_batch_norm(module) and module.affine)
         if kept and module is not model and any(True for _ in module.parameters()):  # the root is sharded last
-            fully_shard(module, mp_policy=fp32_mp)
+            fully_shard(module, mesh=mesh, mp_policy=fp32_mp)
     if fp32_modules.is_kept(model):
         mp = fp32_mp  # the whole model runs in fp32 under its kept forward
     for child in model.children():
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-            fully_shard(child, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+            fully_shard(child, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 

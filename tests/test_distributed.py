@@ -174,7 +174,20 @@ def fsdp_keep_fp32(rank, out_dir):
                     "wrapped": wrapped}, os.path.join(out_dir, "fsdp-keep-fp32.pt"))
 
 
-SCENARIOS = {f.__name__: f for f in (equals_single, inf_on_one_rank, checkpoint_round_trip, fsdp_keep_fp32)}
+def fsdp_cpu_beside_an_accelerator(rank, out_dir):
+    # As on a GPU host where CUDA was initialised before CUDA_VISIBLE_DEVICES was cleared (torchao's import does
+    # so): fully_shard's default mesh follows the machine's accelerator, not the Trainer's device.
+    from unittest import mock
+
+    model = tiny_mlp()
+    with mock.patch.object(torch._C, "_get_accelerator", lambda: torch.device("cuda")):
+        trainer = Trainer(model, _optimizer(model), "bf16", device="cpu", distributed="fsdp")
+    assert trainer.step(_local(batches(1, batch_size=8)[0], rank)).stepped
+    assert {p.device_mesh.device_type for p in trainer.model.parameters()} == {"cpu"}
+
+
+SCENARIOS = {f.__name__: f for f in (equals_single, inf_on_one_rank, checkpoint_round_trip, fsdp_keep_fp32,
+                                     fsdp_cpu_beside_an_accelerator)}
 
 
 # The tests ----------------------------------------------------------------------------------
@@ -192,6 +205,10 @@ def test_training_equals_one_process_on_the_whole_batch(tmp_path):
             got = torch.load(tmp_path / f"{mode}-{precision}-{accum}.pt")
             for p, q in zip(model.parameters(), got):
                 torch.testing.assert_close(p.detach(), q, **tol, msg=f"{mode} {precision} accum {accum}")
+
+
+def test_fsdp_shards_on_the_trainers_device_not_the_machines_accelerator(tmp_path):
+    run("fsdp_cpu_beside_an_accelerator", tmp_path)
 
 
 def test_inf_on_one_rank_skips_on_every_rank(tmp_path):
