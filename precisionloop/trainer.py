@@ -207,7 +207,9 @@ class Trainer:
         under fp16 (``GradScaler.step`` reads the inf check) or under fp32/bf16 (the skip
         decision is made on the host). With a fused optimizer the skip happens on the
         device, and the step's verdict is read one optimizer step later. Gradients are
-        enabled inside the step even under the caller's ``torch.no_grad()``.
+        enabled inside the step even under the caller's ``torch.no_grad()``. The policy's
+        backend flags are set for the step and the caller's restored after it; a loop of your
+        own that holds ``trainer.policy.backend_flags()`` around its steps saves those writes.
 
         Raises:
             ValueError: the batch is empty (nothing is changed).
@@ -304,7 +306,8 @@ class Trainer:
         :meth:`flush`), and counts as a step for callbacks and ``checkpoint_every``. A
         ``ReduceLROnPlateau`` scheduler is stepped with ``val_loss`` after each epoch. If a
         step fails or is interrupted, its accumulation window is discarded and the next
-        ``fit`` replays it.
+        ``fit`` replays it. The policy's backend flags (TF32, ``cudnn.benchmark``) are set for
+        each epoch, callbacks included, and the caller's are restored when it ends.
 
         Args:
             train_loader: an iterable of batches, usually a DataLoader.

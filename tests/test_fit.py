@@ -320,3 +320,63 @@ def test_max_steps_on_the_last_batch_completes_the_epoch():
     trainer = make_trainer("fp32")
     history = trainer.fit(DataLoader(dataset(), batch_size=4), epochs=3, max_steps=10, progress=False)  # 10 batches/epoch
     assert history[-1]["complete"] and trainer.epoch == 1 and trainer.batch_in_epoch == 0
+
+
+def _counting_writes(monkeypatch):
+    from precisionloop import policy as policy_mod
+
+    writes, real = [], policy_mod._write_flags
+    monkeypatch.setattr(policy_mod, "_write_flags", lambda *flags: (writes.append(flags), real(*flags))[1])
+    return writes
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_fit_sets_the_backend_flags_once_an_epoch_not_every_step(monkeypatch, autotune):
+    # Writing and restoring them around every step cost ~10 us of host time a step; the steps now find them set.
+    from precisionloop import policy as policy_mod
+
+    outside = (policy_mod._tf32_flags(True), False)  # unlike every policy's (TF32 and cuDNN benchmark go together)
+    policy_mod._write_flags(*outside)
+    try:
+        counts, seen = {}, []
+
+        class Seen:
+            def on_step_end(self, trainer, result):
+                seen.append((policy_mod._read_flags(), trainer.policy.tf32))
+
+        for n in (3, 9):
+            writes = _counting_writes(monkeypatch)
+            model = dropout_mlp()
+            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto" if autotune else "bf16",
+                              device="cpu", autotune=autotune)
+            trainer.fit(DataLoader(dataset(4 * n), batch_size=4), epochs=1, progress=False, callbacks=[Seen()])
+            counts[n] = len(writes)
+            assert policy_mod._read_flags() == outside  # the caller's flags are back
+        assert counts[3] == counts[9], counts  # the writes do not grow with the steps
+        # Callbacks run under the flags of the policy that trains, the one autotune chose included.
+        assert all(flags == (policy_mod._tf32_flags(tf32), tf32) for flags, tf32 in seen)
+    finally:
+        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+
+
+def test_fit_restores_the_callers_flags_when_a_step_fails(monkeypatch):
+    from precisionloop import policy as policy_mod
+
+    outside = (policy_mod._tf32_flags(False), False)
+    policy_mod._write_flags(*outside)
+    try:
+        trainer = make_trainer("bf16")
+        calls = []
+
+        def failing(outputs, targets):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return nn.functional.cross_entropy(outputs, targets)
+
+        trainer.loss_fn = failing
+        with pytest.raises(KeyboardInterrupt):
+            trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False)
+        assert policy_mod._read_flags() == outside and trainer.global_step == 2
+    finally:
+        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
