@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
 import dataclasses
 import importlib.util
 import io
@@ -127,25 +128,37 @@ def load_before(path: str):
     return module
 
 
-def profile(config: Config, args, package, steps: int = 60, fit: bool = False) -> str:
-    """cProfile of ``steps`` Trainer.step calls (fit: epochs) after a warm-up: the host's time per function."""
-    run = _trainer(package, config, args, fit)
-    for _ in range(args.warmup):
-        run.step()
+def profile(run: Run, what: str, args, steps: int = 60, filter_name: str | None = None) -> str:
+    """cProfile of ``steps`` calls of ``run.step`` after a warm-up: the host's time per function."""
     sync = torch.cuda.synchronize if args.device.type == "cuda" else (lambda: None)
-    sync()
     profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        run.step()
-    sync()
-    profiler.disable()
+    with run.context() if callable(run.context) else contextlib.nullcontext():  # the hand loop's backend flags
+        for _ in range(args.warmup):
+            run.step()
+        sync()
+        profiler.enable()
+        for _ in range(steps):
+            run.step()
+        sync()
+        profiler.disable()
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("tottime").print_stats(12)
-    stats.sort_stats("cumulative").print_stats(package.__name__, 14)  # the package's own functions
-    what = f"Trainer.fit x{steps} epochs of {args.fit_steps}" if fit else f"Trainer.step x{steps}"
-    return f"--- cProfile, {package.__name__} {what}, {config.label} ---\n" + out.getvalue()
+    stats.sort_stats("tottime").print_stats(14)
+    if filter_name:
+        stats.sort_stats("cumulative").print_stats(filter_name, 14)  # the package's own functions
+    return f"--- cProfile, {what} x{steps} ---\n" + out.getvalue()
+
+
+def profiles(config: Config, args, before, fit: bool) -> list[str]:
+    """The hand loop's profile, then each package's ``Trainer.step`` (or ``fit`` epochs)."""
+    if fit:
+        return [profile(_trainer(precisionloop, config, args, True), f"precisionloop Trainer.fit epochs of "
+                        f"{args.fit_steps}, {config.label}", args, steps=5, filter_name="precisionloop")]
+    out = [profile(_hand(config, args), f"hand loop, {config.label}", args)]
+    for package in [before, precisionloop] if before is not None else [precisionloop]:
+        out.append(profile(_trainer(package, config, args, False), f"{package.__name__} Trainer.step, {config.label}",
+                           args, filter_name=package.__name__))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -158,7 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "(fit: at most --fit-epochs blocks); 1 runs them one after the other")
     p.add_argument("--iters", type=int, default=40, help="timed steps (fit: timed epochs) per round")
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--fit-steps", type=int, default=20, help="batches per timed fit epoch")
+    p.add_argument("--fit-steps", type=int, default=100,
+                   help="batches per timed fit epoch (each fit call also pays ~0.6 ms of per-epoch work: the progress "
+                        "bar, the RNG snapshot, the record; a short epoch spreads it over few steps)")
     p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
@@ -175,11 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     report = {"torch": torch.__version__, "device": name, "configs": []}
     for i, config in enumerate(configs):
-        if args.profile and i == 0:
-            for package in [before, precisionloop] if before is not None else [precisionloop]:
-                print(profile(config, args, package), flush=True)
-        if args.profile_fit and i == 0:
-            print(profile(config, args, precisionloop, steps=5, fit=True), flush=True)
+        if (args.profile or args.profile_fit) and i == 0:
+            print("\n".join(profiles(config, args, before, fit=args.profile_fit)), flush=True)
         timings = interleaved(step_systems(config, args, before), rounds=args.rounds, iters=args.iters,
                               warmup=args.warmup, device=args.device, blocks=min(args.blocks, args.iters))
         fits = interleaved(fit_systems(config, args, before), rounds=args.rounds, iters=args.fit_epochs, warmup=2,
