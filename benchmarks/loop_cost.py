@@ -141,6 +141,9 @@ def profile(run: Run, what: str, args, steps: int = 60, filter_name: str | None 
             run.step()
         sync()
         profiler.disable()
+    if args.profile_dir:  # the raw stats, to compare two profiles function by function
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(Path(args.profile_dir) / (what.split(",")[0].replace(" ", "-") + ".pstats"))
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(14)
@@ -179,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
     p.add_argument("--profile", action="store_true", help="cProfile Trainer.step for the first configuration")
     p.add_argument("--profile-fit", action="store_true", help="cProfile Trainer.fit epochs for the first configuration")
+    p.add_argument("--profile-dir", default=None, help="also write each profile's raw pstats file here")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default=None, help="default: cuda (the cost that matters is on a GPU)")
     args = p.parse_args(argv)
