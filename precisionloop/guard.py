@@ -155,9 +155,12 @@ class FiniteGuard:
 
     scaler = None
 
+    _SLAB = 256  # verdict flags per zero-filled slab
+
     def __init__(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.all_reduce_max = all_reduce_max
         self._ones: dict[torch.device, torch.Tensor] = {}
+        self._zeros: dict[torch.device, tuple[torch.Tensor, int]] = {}  # a slab of zeros and the next unused index
         self._first = _FirstStepCheck()
         self._plain = -1  # the gradient count last seen all dense, plain tensors on one device and dtype
 
@@ -170,7 +173,7 @@ class FiniteGuard:
         # from an embedding used on some steps only) makes torch refuse the kernel before it runs: group then.
         if grads and self._plain == len(grads):
             device = grads[0].device
-            found = torch.zeros((), dtype=torch.float32, device=device)
+            found = self._zero_on(device)
             try:
                 _compat.non_finite_check_(grads, found, self._ones_on(device))
             except (RuntimeError, NotImplementedError):
@@ -186,16 +189,29 @@ class FiniteGuard:
             g = _compat.dense_values(g)
             groups.setdefault((g.device, g.dtype), []).append(g)
         device = next(iter(groups))[0] if groups else torch.device("cpu")
-        # fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
-        found = torch.zeros((), dtype=torch.float32, device=device)
+        found = self._zero_on(device)
         for (where, _), tensors in groups.items():
-            here = found if where == device else torch.zeros((), dtype=torch.float32, device=where)
+            here = found if where == device else self._zero_on(where)
             _compat.non_finite_check_(tensors, here, self._ones_on(where))  # an inverse scale of 1 leaves them alone
             if here is not found:
                 found += here.to(device)
         if len(groups) == 1 and all(g.layout == torch.strided and type(g) is torch.Tensor for g in grads):
             self._plain = len(grads)  # the same parameters next step take the one-kernel path
         return self._agree(found)
+
+    def _zero_on(self, device: torch.device) -> torch.Tensor:
+        """A fresh fp32 zero for a verdict: the next unused element of a zero-filled slab.
+
+        A fill per step would cost a kernel launch (tens of microseconds of host time on some
+        hosts); a slab costs one every ``_SLAB`` steps. No element is handed out twice, so a
+        verdict the step returned (or a queued kernel) never sees it change. fp32 explicitly:
+        the fused check rejects other dtypes, whatever torch's default dtype is.
+        """
+        slab, used = self._zeros.get(device, (None, self._SLAB))
+        if used == self._SLAB:
+            slab, used = torch.zeros(self._SLAB, dtype=torch.float32, device=device), 0
+        self._zeros[device] = (slab, used + 1)
+        return slab[used]
 
     def _ones_on(self, device: torch.device) -> torch.Tensor:
         ones = self._ones.get(device)

@@ -445,3 +445,16 @@ def test_a_failing_collective_on_the_one_kernel_path_is_raised_not_retried():
     with pytest.raises(RuntimeError, match="collective failed"):
         guard.unscale_(None, grads)
     assert len(calls) == 2
+
+
+def test_to_device_keeps_what_is_already_there_and_moves_the_rest():
+    from precisionloop.engine import to_device
+
+    cpu, cl = torch.device("cpu"), torch.channels_last
+    x, y = torch.randn(2, 3, 4, 4).contiguous(memory_format=cl), torch.tensor([1, 0])
+    out = to_device({"x": x, "y": [y]}, cpu, cl)
+    assert out["x"] is x and out["y"][0] is y
+    z = torch.randn(2, 3, 4, 4)
+    moved = to_device(z, cpu, cl)
+    assert moved is not z and moved.is_contiguous(memory_format=cl) and torch.equal(moved, z)
+    assert to_device(torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.device("meta"), cl).device.type == "meta"
