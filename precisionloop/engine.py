@@ -260,7 +260,7 @@ class StepEngine:
         """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update, ``after_step``."""
         self.settle()  # the previous step's verdict, so the scheduler is right for this one
         params = self.params()
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [g for p in params if (g := p.grad) is not None]  # .grad read once: ~0.1 us a parameter a step
         found_inf = self.guard.unscale_(self.optimizer, grads)
         if self.micro < self.grad_accum_steps:
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
