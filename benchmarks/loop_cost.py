@@ -128,12 +128,14 @@ def load_before(path: str):
     return module
 
 
-def profile(run: Run, what: str, args, steps: int = 60, filter_name: str | None = None) -> str:
+def profile(run: Run, what: str, args, steps: int = 60, warmup: int | None = None,
+            filter_name: str | None = None) -> str:
     """cProfile of ``steps`` calls of ``run.step`` after a warm-up: the host's time per function."""
     sync = torch.cuda.synchronize if args.device.type == "cuda" else (lambda: None)
     profiler = cProfile.Profile()
-    with run.context() if callable(run.context) else contextlib.nullcontext():  # the hand loop's backend flags
-        for _ in range(args.warmup):
+    context = run.context if run.context is not None else contextlib.nullcontext()
+    with context() if callable(context) else context:  # the hand loop's backend flags
+        for _ in range(args.warmup if warmup is None else warmup):
             run.step()
         sync()
         profiler.enable()
@@ -153,10 +155,10 @@ def profile(run: Run, what: str, args, steps: int = 60, filter_name: str | None 
 
 
 def profiles(config: Config, args, before, fit: bool) -> list[str]:
-    """The hand loop's profile, then each package's ``Trainer.step`` (or ``fit`` epochs)."""
+    """The hand loop's profile, then each package's ``Trainer.step``; with ``fit``, this package's fit epochs alone."""
     if fit:
         return [profile(_trainer(precisionloop, config, args, True), f"precisionloop Trainer.fit epochs of "
-                        f"{args.fit_steps}, {config.label}", args, steps=5, filter_name="precisionloop")]
+                        f"{args.fit_steps}, {config.label}", args, steps=5, warmup=2, filter_name="precisionloop")]
     out = [profile(_hand(config, args), f"hand loop, {config.label}", args)]
     for package in [before, precisionloop] if before is not None else [precisionloop]:
         out.append(profile(_trainer(package, config, args, False), f"{package.__name__} Trainer.step, {config.label}",
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
-    p.add_argument("--profile", action="store_true", help="cProfile Trainer.step for the first configuration")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the hand loop and Trainer.step (and --before's) for the first configuration")
     p.add_argument("--profile-fit", action="store_true", help="cProfile Trainer.fit epochs for the first configuration")
     p.add_argument("--profile-dir", default=None, help="also write each profile's raw pstats file here")
     p.add_argument("--json", default=None)
@@ -194,8 +197,9 @@ def main(argv: list[str] | None = None) -> dict:
     name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     report = {"torch": torch.__version__, "device": name, "configs": []}
     for i, config in enumerate(configs):
-        if (args.profile or args.profile_fit) and i == 0:
-            print("\n".join(profiles(config, args, before, fit=args.profile_fit)), flush=True)
+        for fit, wanted in ((False, args.profile), (True, args.profile_fit)):
+            if wanted and i == 0:
+                print("\n".join(profiles(config, args, before, fit=fit)), flush=True)
         timings = interleaved(step_systems(config, args, before), rounds=args.rounds, iters=args.iters,
                               warmup=args.warmup, device=args.device, blocks=min(args.blocks, args.iters))
         fits = interleaved(fit_systems(config, args, before), rounds=args.rounds, iters=args.fit_epochs, warmup=2,

@@ -141,7 +141,7 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
     """Move every tensor in a (nested) batch to ``device``, 4-D float tensors in ``memory_format``."""
     if isinstance(batch, torch.Tensor):
         fmt = memory_format if batch.dim() == 4 and batch.is_floating_point() else torch.preserve_format
-        if batch.device == device and (fmt is torch.preserve_format or batch.is_contiguous(memory_format=fmt)):
+        if fmt is torch.preserve_format and batch.device == device:
             return batch  # what .to would return, without its argument parsing (a batch kept on the GPU)
         return batch.to(device, non_blocking=device.type == "cuda", memory_format=fmt)
     if isinstance(batch, dict):

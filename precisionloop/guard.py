@@ -204,11 +204,13 @@ class FiniteGuard:
 
         A fill per step would cost a kernel launch (tens of microseconds of host time on some
         hosts); a slab costs one every ``_SLAB`` steps. No element is handed out twice, so a
-        verdict the step returned (or a queued kernel) never sees it change. fp32 explicitly:
-        the fused check rejects other dtypes, whatever torch's default dtype is.
+        verdict the step returned (or a queued kernel) never sees it change. The slab is filled on
+        the stream current when it is made; a step on another stream finds it filled, since each
+        optimizer step first waits for the last one's verdict. fp32 explicitly: the fused check
+        rejects other dtypes, whatever torch's default dtype is.
         """
         slab, used = self._zeros.get(device, (None, self._SLAB))
-        if used == self._SLAB:
+        if used >= self._SLAB:
             slab, used = torch.zeros(self._SLAB, dtype=torch.float32, device=device), 0
         self._zeros[device] = (slab, used + 1)
         return slab[used]

@@ -6,10 +6,12 @@ subclass's ``forward_batch`` and ``compute_loss`` are honoured in training and v
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
+import types
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -161,9 +163,13 @@ def _run_epoch(trainer, loader: Iterable, plan: FitPlan) -> dict:
     bar = tqdm(total=total, initial=resume_at, desc=f"epoch {state.epoch + 1}/{plan.epochs}", disable=not plan.progress,
                dynamic_ncols=True, leave=True)
     tally = _Tally(trainer.device, engine.global_step, engine.stats.skipped, len(trainer.underflow_history))
-    flags = _HeldFlags()
+    flags = _HeldFlags(trainer)
     complete = True
-    try:
+    with contextlib.ExitStack() as cleanup:  # last in, first out; each runs even if one before it raised
+        cleanup.callback(flags.release)  # the caller's flags come back last
+        cleanup.callback(bar.close)
+        cleanup.callback(_close_generator, iterator, loader)
+        cleanup.callback(setattr, engine, "sync_next", False)
         flags.hold(trainer.policy)
         for batch in iterator:
             engine.sync_next = total is not None and state.batch_in_epoch + 1 == total
@@ -182,36 +188,47 @@ def _run_epoch(trainer, loader: Iterable, plan: FitPlan) -> dict:
             result = trainer.flush()
             if result is not None:
                 _after_step(trainer, result, plan)
-    finally:
-        engine.sync_next = False
-        flags.release()
-        bar.close()
     if complete:
         state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
     return tally.record(trainer, complete)
 
 
+def _close_generator(iterator: Any, loader: Iterable) -> None:
+    """Close this epoch's generator, left open by a break, so that its own cleanup runs under the epoch's flags."""
+    if iterator is not loader and isinstance(iterator, types.GeneratorType):
+        iterator.close()
+
+
 class _HeldFlags:
     """The policy's backend flags, set for a whole epoch and restored at its end.
 
-    Each step enters the flags itself too; finding them already set, it only reads them. Without
-    this, every step would write the flags and restore the caller's (about 10 us of host time a
-    step, which shows when the host bounds the step).
+    While they are held, ``trainer.step`` leaves them alone: without this, every step would write
+    the flags and restore the caller's (10-20 us of host time a step, which shows when the host
+    bounds the step), and a policy whose ``backend_flags()`` returns one reusable object could not
+    enter it again. A ``fit`` called from a callback finds them held already and leaves them be. A
+    callback that changes them changes them for the epoch's remaining steps; the epoch's end
+    restores what the caller had when it began.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
         self.policy = None
         self._open = None
+        self._before = None
 
     def hold(self, policy) -> None:
         self.release()
+        self.policy = policy
+        if self.trainer._flags_held_for is policy:
+            return
         context = policy.backend_flags()
         context.__enter__()
-        self.policy, self._open = policy, context
+        self._open, self._before, self.trainer._flags_held_for = context, self.trainer._flags_held_for, policy
 
     def release(self) -> None:
         if self._open is not None:
             context, self._open = self._open, None
+            self.trainer._flags_held_for = self._before
             context.__exit__(None, None, None)
 
 
@@ -318,7 +335,7 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
     loss_sum, count = torch.zeros((), dtype=torch.float32, device=device), 0
     try:
         # The flags of the policy in force now: autotune may have replaced the one fit started with.
-        with trainer.policy.backend_flags(), torch.no_grad():
+        with trainer._backend_flags(), torch.no_grad():
             for batch in loader:
                 n = batch_size(batch)
                 if n == 0:

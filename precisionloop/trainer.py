@@ -6,6 +6,7 @@ in :mod:`precisionloop.checkpoint` and the measuring in :mod:`precisionloop.tuni
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -118,6 +119,7 @@ class Trainer:
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
         self.loop_state = loop.LoopState()
+        self._flags_held_for: PrecisionPolicy | None = None  # set while fit holds that policy's backend flags
         self.model = model.to(self.device)
         if fuse_optimizer and _dist.may_fuse(optimizer, self.distributed) and fuse_default_optimizer(optimizer, model):
             log.info("%s runs its fused implementation, so a skipped step is decided on the device without a host "
@@ -218,7 +220,7 @@ class Trainer:
             raise ValueError("the batch is empty (batch size 0): nothing to train on; nothing was changed")
         if self._autotune_compile is not None:
             self._run_autotune(batch)
-        with self.policy.backend_flags():
+        with self._backend_flags():
             return self.engine.step(self.to_device(batch))
 
     def flush(self) -> StepResult | None:
@@ -228,8 +230,12 @@ class Trainer:
         holds, as if the accumulated batch had simply been smaller. The result's
         ``loss`` is NaN: no micro-batch ran in this call.
         """
-        with self.policy.backend_flags():
+        with self._backend_flags():
             return self.engine.flush()
+
+    def _backend_flags(self) -> contextlib.AbstractContextManager:
+        """The policy's backend flags, or nothing to do while ``fit`` holds them for this policy."""
+        return contextlib.nullcontext() if self._flags_held_for is self.policy else self.policy.backend_flags()
 
     @property
     def stats(self) -> TrainStats:
@@ -306,8 +312,9 @@ class Trainer:
         :meth:`flush`), and counts as a step for callbacks and ``checkpoint_every``. A
         ``ReduceLROnPlateau`` scheduler is stepped with ``val_loss`` after each epoch. If a
         step fails or is interrupted, its accumulation window is discarded and the next
-        ``fit`` replays it. The policy's backend flags (TF32, ``cudnn.benchmark``) are set for
-        each epoch, callbacks included, and the caller's are restored when it ends.
+        ``fit`` replays it. The policy's backend flags (TF32, ``cudnn.benchmark``) are set at
+        each epoch's start and the caller's restored at its end; ``on_step_end`` callbacks,
+        periodic saves and the loader's iteration in this process run under them too.
 
         Args:
             train_loader: an iterable of batches, usually a DataLoader.

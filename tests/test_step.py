@@ -447,14 +447,30 @@ def test_a_failing_collective_on_the_one_kernel_path_is_raised_not_retried():
     assert len(calls) == 2
 
 
-def test_to_device_keeps_what_is_already_there_and_moves_the_rest():
+def test_to_device_keeps_what_is_already_there_and_moves_the_rest(monkeypatch):
     from precisionloop.engine import to_device
 
     cpu, cl = torch.device("cpu"), torch.channels_last
     x, y = torch.randn(2, 3, 4, 4).contiguous(memory_format=cl), torch.tensor([1, 0])
+    calls, real_to = [], torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (calls.append(self.shape), real_to(self, *a, **k))[1])
     out = to_device({"x": x, "y": [y]}, cpu, cl)
     assert out["x"] is x and out["y"][0] is y
+    assert calls == [x.shape]  # the targets, already there with no layout to take, skip .to's argument parsing
+    monkeypatch.undo()
     z = torch.randn(2, 3, 4, 4)
     moved = to_device(z, cpu, cl)
     assert moved is not z and moved.is_contiguous(memory_format=cl) and torch.equal(moved, z)
     assert to_device(torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.device("meta"), cl).device.type == "meta"
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 1, 1), (2, 1, 5, 5), (2, 1, 5, 1)])
+def test_to_device_converts_layouts_whose_strides_fit_both(shape):
+    # For these shapes a contiguous tensor also passes is_contiguous(channels_last); .to still converts it
+    # (it goes by the layout the strides suggest), and so must to_device, or the model sees NCHW inputs.
+    from precisionloop.engine import to_device
+
+    x = torch.randn(shape)
+    moved = to_device(x, torch.device("cpu"), torch.channels_last)
+    expected = x.to(memory_format=torch.channels_last)
+    assert moved.stride() == expected.stride() and (moved is x) == (expected is x)
