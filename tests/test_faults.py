@@ -15,6 +15,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from conftest import fp32_only_loss
+
 from precisionloop import FP16Policy, Trainer
 from precisionloop.diagnostics import gradient_underflow
 
@@ -559,15 +561,6 @@ class FlagProbe(nn.Module):
         if not self.training:
             self.eval_flags.append(torch.backends.cuda.matmul.fp32_precision)
         return x
-
-
-def fp32_only_loss(outputs, targets):
-    # Makes autotune's choice deterministic through public surfaces only: a trial whose outputs are
-    # not fp32 (the bf16 candidate) fails and is rejected, so the choice is fp32 (tf32=False), while
-    # precision="auto" before tuning is a tf32=True policy on the CPU (BF16Policy or FP32Policy(tf32=True)).
-    if outputs.dtype != torch.float32:
-        raise RuntimeError("this loss runs in fp32 only")
-    return F.cross_entropy(outputs, targets)
 
 
 def test_validation_after_autotune_runs_under_the_chosen_flags():

@@ -12,7 +12,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from conftest import fp32_only_loss
+
 from precisionloop import FP16Policy, Trainer
+from precisionloop import policy as policy_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -322,80 +325,67 @@ def test_max_steps_on_the_last_batch_completes_the_epoch():
     assert history[-1]["complete"] and trainer.epoch == 1 and trainer.batch_in_epoch == 0
 
 
-def _fp32_only_loss(outputs, targets):
-    if outputs.dtype != torch.float32:
-        raise RuntimeError("this loss runs in fp32 only")
-    return nn.functional.cross_entropy(outputs, targets)
+@pytest.fixture
+def callers_flags():
+    """The caller's flags, unlike every policy's (TF32 and cuDNN benchmark go together), put back afterwards."""
+    before = policy_mod._read_flags()
+    outside = (policy_mod._tf32_flags(True), False)
+    policy_mod._write_flags(*outside)
+    yield outside
+    policy_mod._write_flags(*before)
 
 
 def _counting_writes(monkeypatch):
-    from precisionloop import policy as policy_mod
-
     writes, real = [], policy_mod._write_flags
     monkeypatch.setattr(policy_mod, "_write_flags", lambda *flags: (writes.append(flags), real(*flags))[1])
     return writes
 
 
 @pytest.mark.parametrize("autotune", [False, True])
-def test_fit_sets_the_backend_flags_once_an_epoch_not_every_step(monkeypatch, autotune):
-    # Writing and restoring them around every step cost 10-20 us of host time a step; the steps now find them set.
-    from precisionloop import policy as policy_mod
+def test_fit_sets_the_backend_flags_once_an_epoch_not_every_step(monkeypatch, callers_flags, autotune):
+    # Writing and restoring them around every step cost 10-20 us of host time a step; the steps now leave them be.
+    counts, seen = {}, []
 
-    outside = (policy_mod._tf32_flags(True), False)  # unlike every policy's (TF32 and cuDNN benchmark go together)
-    policy_mod._write_flags(*outside)
-    try:
-        counts, seen = {}, []
+    class Seen:
+        def on_step_end(self, trainer, result):
+            seen.append((policy_mod._read_flags(), trainer.policy.tf32))
 
-        class Seen:
-            def on_step_end(self, trainer, result):
-                seen.append((policy_mod._read_flags(), trainer.policy.tf32))
-
-        for n in (3, 9):
-            writes = _counting_writes(monkeypatch)
-            model = dropout_mlp()
-            # With autotune, a loss that refuses non-fp32 outputs fixes the choice (fp32 without TF32, not the
-            # bf16 it starts from): on the CPU the candidates can time alike, and each run must swap policies.
-            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto" if autotune else "bf16",
-                              device="cpu", autotune=autotune, loss_fn=_fp32_only_loss if autotune else None)
-            trainer.fit(DataLoader(dataset(4 * n), batch_size=4), epochs=1, progress=False, callbacks=[Seen()])
-            counts[n] = len(writes)
-            assert policy_mod._read_flags() == outside  # the caller's flags are back
-        assert counts[3] == counts[9], counts  # the writes do not grow with the steps
-        assert not autotune or seen[-1][1] is False  # the chosen policy, which differs from the first one
-        # Callbacks run under the flags of the policy that trains, the one autotune chose included.
-        assert all(flags == (policy_mod._tf32_flags(tf32), tf32) for flags, tf32 in seen)
-    finally:
-        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+    for n in (3, 9):
+        writes = _counting_writes(monkeypatch)
+        model = dropout_mlp()
+        # With autotune, a loss that refuses non-fp32 outputs fixes the choice (fp32 without TF32, not the
+        # bf16 it starts from): on the CPU the candidates can time alike, and each run must swap policies.
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto" if autotune else "bf16",
+                          device="cpu", autotune=autotune, loss_fn=fp32_only_loss if autotune else None)
+        trainer.fit(DataLoader(dataset(4 * n), batch_size=4), epochs=1, progress=False, callbacks=[Seen()])
+        counts[n] = len(writes)
+        assert policy_mod._read_flags() == callers_flags  # the caller's flags are back
+    assert counts[3] == counts[9], counts  # the writes do not grow with the steps
+    assert not autotune or seen[-1][1] is False  # the chosen policy, which differs from the first one
+    # Callbacks run under the flags of the policy that trains, the one autotune chose included.
+    assert all(flags == (policy_mod._tf32_flags(tf32), tf32) for flags, tf32 in seen)
 
 
-def test_fit_restores_the_callers_flags_when_a_step_fails(monkeypatch):
-    from precisionloop import policy as policy_mod
+def test_fit_restores_the_callers_flags_when_a_step_fails(callers_flags):
+    trainer = make_trainer("bf16")
+    calls = []
 
-    outside = (policy_mod._tf32_flags(False), False)
-    policy_mod._write_flags(*outside)
-    try:
-        trainer = make_trainer("bf16")
-        calls = []
+    def failing(outputs, targets):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return nn.functional.cross_entropy(outputs, targets)
 
-        def failing(outputs, targets):
-            calls.append(1)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return nn.functional.cross_entropy(outputs, targets)
-
-        trainer.loss_fn = failing
-        with pytest.raises(KeyboardInterrupt):
-            trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False)
-        assert policy_mod._read_flags() == outside and trainer.global_step == 2
-    finally:
-        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+    trainer.loss_fn = failing
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False)
+    assert policy_mod._read_flags() == callers_flags and trainer.global_step == 2
 
 
-def test_a_policy_that_returns_one_reusable_flags_object_fits_and_restores(monkeypatch):
+def test_a_policy_that_returns_one_reusable_flags_object_fits_and_restores(callers_flags):
     # The object may be entered again after it exits, so a policy may cache it; fit holds it for the
     # epoch and the steps must not enter it a second time (that raised "already open").
     from precisionloop import BF16Policy
-    from precisionloop import policy as policy_mod
 
     class CachedFlags(BF16Policy):
         def backend_flags(self):
@@ -405,45 +395,33 @@ def test_a_policy_that_returns_one_reusable_flags_object_fits_and_restores(monke
                 object.__setattr__(self, "_cached", cached)
             return cached
 
-    outside = (policy_mod._tf32_flags(True), False)
-    policy_mod._write_flags(*outside)
-    try:
-        model = dropout_mlp()
-        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), CachedFlags(), device="cpu")
-        evaluated = []
+    model = dropout_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), CachedFlags(), device="cpu")
+    evaluated = []
 
-        class Evaluates:
-            def on_step_end(self, trainer, result):
-                evaluated.append(trainer.evaluate([batch for batch in DataLoader(dataset(8), batch_size=4)]))
+    class Evaluates:
+        def on_step_end(self, trainer, result):
+            evaluated.append(trainer.evaluate(list(DataLoader(dataset(8), batch_size=4))))
 
-        trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False, callbacks=[Evaluates()],
-                    val_loader=DataLoader(dataset(8), batch_size=4))
-        assert trainer.global_step == 10 and len(evaluated) == 10
-        assert policy_mod._read_flags() == outside
-        trainer.step(next(iter(DataLoader(dataset(), batch_size=4))))  # and outside fit, as before
-        assert policy_mod._read_flags() == outside
-    finally:
-        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False, callbacks=[Evaluates()],
+                val_loader=DataLoader(dataset(8), batch_size=4))
+    assert trainer.global_step == 10 and len(evaluated) == 10
+    assert policy_mod._read_flags() == callers_flags
+    trainer.step(next(iter(DataLoader(dataset(), batch_size=4))))  # and outside fit, as before
+    assert policy_mod._read_flags() == callers_flags
 
 
-def test_a_generator_loader_stopped_by_max_steps_leaves_the_callers_flags(monkeypatch):
+def test_a_generator_loader_stopped_by_max_steps_leaves_the_callers_flags(callers_flags):
     # The loader's own save-and-restore runs when fit stops early; it must run before fit restores the
     # caller's flags, or the policy's flags it saved would outlive fit.
-    from precisionloop import policy as policy_mod
+    class Loader:
+        def __iter__(self):
+            saved = torch.backends.cudnn.benchmark
+            try:
+                yield from DataLoader(dataset(), batch_size=4)
+            finally:
+                torch.backends.cudnn.benchmark = saved
 
-    outside = (policy_mod._tf32_flags(True), False)
-    policy_mod._write_flags(*outside)
-    try:
-        class Loader:
-            def __iter__(self):
-                saved = torch.backends.cudnn.benchmark
-                try:
-                    yield from DataLoader(dataset(), batch_size=4)
-                finally:
-                    torch.backends.cudnn.benchmark = saved
-
-        trainer = make_trainer("bf16")
-        trainer.fit(Loader(), epochs=1, max_steps=3, progress=False)
-        assert trainer.global_step == 3 and policy_mod._read_flags() == outside
-    finally:
-        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+    trainer = make_trainer("bf16")
+    trainer.fit(Loader(), epochs=1, max_steps=3, progress=False)
+    assert trainer.global_step == 3 and policy_mod._read_flags() == callers_flags
