@@ -22,6 +22,9 @@ from . import distributed as _dist
 from .guard import GradientGuard
 from .policy import PrecisionPolicy
 
+VERDICTS_PER_COPY = 16
+"""Without a scheduler, a CUDA step's verdicts reach the host in blocks of this many optimizer steps."""
+
 __all__ = ["StepResult", "TrainStats", "StepEngine", "prepare_model", "compile_mode", "to_device"]
 
 
@@ -188,8 +191,13 @@ class StepEngine:
         self.sync_next = False  # set by the loop: the next micro-batch closes the epoch, so gradients must sync
         self.probe: Callable[[int], None] | None = None
         self.after_step: Callable[[], None] | None = None  # the policy's optimizer_step_hook, asked in configure
-        self._pending: tuple[torch.Tensor, Any] | None = None  # the last step's verdict, not yet read
-        self._host: torch.Tensor | None = None  # pinned buffer the verdict is copied into
+        # Verdicts per copy to the host (with no scheduler): on the CPU each step is booked at once.
+        self.verdicts_per_copy = VERDICTS_PER_COPY if device.type == "cuda" else 1
+        self._rows: torch.Tensor | None = None  # this block's verdicts on the device, one row per optimizer step
+        self._filled = 0  # rows of _rows written and not yet copied to the host
+        self._pending: tuple[torch.Tensor, Any] | None = None  # verdicts copied (or on their way) to the host, unread
+        self._unbooked: list[list[float]] = []  # verdicts on the host, not yet booked
+        self._host: torch.Tensor | None = None  # pinned buffer the verdicts are copied into
         self._event: Any = None
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
@@ -258,7 +266,7 @@ class StepEngine:
 
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
         """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update, ``after_step``."""
-        self.settle()  # the previous step's verdict, so the scheduler is right for this one
+        self._book()  # the verdicts copied so far; with a scheduler, the last step's, so this step's LR is right
         params = self.params()
         grads = [g for p in params if (g := p.grad) is not None]  # .grad read once: ~0.1 us a parameter a step
         found_inf = self.guard.unscale_(self.optimizer, grads)
@@ -273,35 +281,64 @@ class StepEngine:
         self.guard.step(self.optimizer, found_inf)
         self.guard.update()
         scale = self.guard.scale_tensor()
-        # One small fp32 (fp64 for a float64 loss) tensor carries the verdict, the loss and the scale to the host.
         if loss.device != found_inf.device:
             loss = loss.to(found_inf.device)
         parts = [found_inf, loss] + ([] if scale is None else [scale])
-        verdict = torch.stack([t if t.dim() == 0 else t.reshape(()) for t in parts])  # one kernel; promotes dtypes
-        if verdict.dtype not in (torch.float32, torch.float64):  # a float64 loss keeps its digits
-            verdict = verdict.float()
+        verdict = self._verdict_row(parts)
         if scale is not None:
             self.last_scale = verdict[2]
         self.optimizer.zero_grad(set_to_none=True)
         self.micro, self.unsynced = 0, False
         self.global_step += 1
-        self._book_later(verdict)
+        self._book_later()
         if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales), once booked
             self.after_step()
         return StepResult(verdict[1], due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
 
-    def _book_later(self, verdict: torch.Tensor) -> None:
-        if not verdict.is_cuda:
-            self._pending = (verdict, None)
-            self.settle()
+    def _verdict_row(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Write ``[found_inf, loss, scale]`` into the next free row of this block: one kernel, no allocation.
+
+        fp32, or fp64 for a float64 loss, which keeps its digits. A block is never reused, so a
+        ``StepResult`` read long after its step still reads its own row.
+        """
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
+        rows = self._rows
+        if rows is None or rows.dtype != dtype or rows.shape[1] != len(parts):
+            if rows is not None:  # a float64 loss, or a guard with a scale after one without (rare): read the block now
+                self._unbooked += rows[: self._filled].tolist()
+            # With a scheduler every step is booked before the next: the LR must follow real steps only.
+            height = 1 if self.scheduler is not None else self.verdicts_per_copy
+            rows = self._rows = torch.empty((height, len(parts)), dtype=dtype, device=parts[0].device)
+            self._filled = 0
+        row = rows[self._filled]
+        torch.stack([t if t.dim() == 0 else t.reshape(()) for t in parts], out=row)
+        self._filled += 1
+        return row
+
+    def _book_later(self) -> None:
+        """Once the block is full, queue its copy to the host; on the CPU, book it at once."""
+        if self._filled < self._rows.shape[0]:
             return
-        # One pinned buffer and one event, reused: the last step was settled before this copy is queued.
-        if self._host is None or self._host.shape != verdict.shape or self._host.dtype != verdict.dtype:
-            self._host = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=True)
+        self._copy_rows()
+        if self._pending[1] is None:  # rows on the CPU: nothing is in flight
+            self._book()
+
+    def _copy_rows(self) -> None:
+        """Queue the filled rows' copy to the pinned buffer, with an event to wait on; a new block starts."""
+        rows, self._rows, filled, self._filled = self._rows[: self._filled], None, self._filled, 0
+        if not rows.is_cuda:
+            self._pending = (rows, None)
+            return
+        # One pinned buffer and one event, reused: the last copy was booked before this one is queued.
+        host = self._host
+        if host is None or host.shape[0] < filled or host.shape[1:] != rows.shape[1:] or host.dtype != rows.dtype:
+            host = self._host = torch.empty((max(filled, self.verdicts_per_copy), rows.shape[1]), dtype=rows.dtype,
+                                            pin_memory=True)
             self._event = torch.cuda.Event()
-        self._host.copy_(verdict, non_blocking=True)
-        self._event.record(torch.cuda.current_stream(verdict.device))
-        self._pending = (self._host, self._event)
+        host = host[:filled]
+        host.copy_(rows, non_blocking=True)
+        self._event.record(torch.cuda.current_stream(rows.device))
+        self._pending = (host, self._event)
 
     def discard_window(self) -> None:
         """Drop the gradients of an open accumulation window (after an error, or on load)."""
@@ -311,34 +348,51 @@ class StepEngine:
             self.guard.abandon()
 
     def settle(self) -> None:
-        """Book the last optimizer step's verdict: counters, scheduler, skip limit, collapse warning.
+        """Book every optimizer step taken so far: counters, scheduler, skip limit, collapse warning.
+
+        This waits for the last optimizer step to finish on the device.
 
         Raises:
             RuntimeError: ``max_consecutive_skips`` steps in a row were skipped.
         """
-        if self._pending is None:
-            return
-        host, event = self._pending
-        self._pending = None
-        if event is not None:
-            event.synchronize()  # waits for that step only, not for work queued since
-        values = host.tolist()
-        skipped, self.last_loss, scale = bool(values[0]), values[1], (values[2] if len(values) > 2 else None)
-        self.stats._record(skipped, scale)
-        if not skipped:
-            self.consecutive_skips = 0
-            if self.scheduler is not None:
-                self.scheduler.step()
-        else:
-            self.consecutive_skips += 1
-            if self.consecutive_skips >= self.max_consecutive_skips:
-                raise RuntimeError(
-                    f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients "
-                    f"(at optimizer step {self.stats.steps}, loss scale {scale}); the loss or the model diverged. "
-                    "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'")
-        if scale is not None and scale < 1 and not self.collapse_warned:
-            self.collapse_warned = True
-            warnings.warn(
-                f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss scale is "
-                "collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train this model",
-                RuntimeWarning, stacklevel=5)
+        self._book()
+        if self._filled:
+            self._copy_rows()
+            self._book()
+
+    def _book(self) -> None:
+        """Book the verdicts read or copied to the host, waiting for their copy only, not for work queued since."""
+        if self._pending is not None:
+            host, event = self._pending
+            self._pending = None
+            if event is not None:
+                event.synchronize()
+            self._unbooked += host.tolist()
+        if self._unbooked:
+            rows, self._unbooked = self._unbooked, []
+            self._record(rows)
+
+    def _record(self, rows: list[list[float]]) -> None:
+        limit_hit = None
+        for values in rows:  # every row is booked, even past the skip limit, so the counters stay whole
+            skipped, self.last_loss, scale = bool(values[0]), values[1], (values[2] if len(values) > 2 else None)
+            self.stats._record(skipped, scale)
+            if not skipped:
+                self.consecutive_skips = 0
+                if self.scheduler is not None:
+                    self.scheduler.step()
+            else:
+                self.consecutive_skips += 1
+                if self.consecutive_skips >= self.max_consecutive_skips and limit_hit is None:
+                    limit_hit = (self.consecutive_skips, self.stats.steps, scale)
+            if scale is not None and scale < 1 and not self.collapse_warned:
+                self.collapse_warned = True
+                warnings.warn(
+                    f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss scale is "
+                    "collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train this model",
+                    RuntimeWarning, stacklevel=6)
+        if limit_hit is not None:
+            raise RuntimeError(
+                f"{limit_hit[0]} optimizer steps in a row were skipped for non-finite gradients "
+                f"(at optimizer step {limit_hit[1]}, loss scale {limit_hit[2]}); the loss or the model diverged. "
+                "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'")

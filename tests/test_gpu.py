@@ -118,16 +118,60 @@ def test_fused_optimizer_steps_without_host_sync(precision):
     assert trainer.stats.steps == 4
 
 
-def test_cuda_verdict_is_booked_by_the_next_step_or_stats():
+def test_cuda_verdict_is_booked_by_stats_and_the_skip_limit_still_fires():
     model = tiny_mlp()
     model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True), "bf16", device="cuda",
                       max_consecutive_skips=2)
     data = batches(2)
     assert trainer.step(data[0]).skipped
-    trainer.step(data[1])  # books step 1; step 2's verdict is still on its way
+    trainer.step(data[1])  # both verdicts still on the device, in the first block
     with pytest.raises(RuntimeError, match="2 optimizer steps in a row"):
         _ = trainer.stats
+
+
+def _verdict_run(scheduled: bool, n: int = 40):
+    """n fused bf16 steps on CUDA with NaN gradients at steps 5, 17 and 18 (1-based); the stats booked after each."""
+    model = tiny_mlp()
+    armed = {"on": False}
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if armed["on"] else g)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1 + k)) if scheduled else None
+    trainer = Trainer(model, optimizer, "bf16", device="cuda", scheduler=scheduler)
+    data = [(x.cuda(), y.cuda()) for x, y in batches(n, seed=3)]
+    results, booked, lrs = [trainer.step(data[0])], [], []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i, batch in enumerate(data[1:], start=2):
+            armed["on"] = i in (5, 17, 18)
+            results.append(trainer.step(batch))
+            booked.append(trainer.engine.stats.steps)
+            lrs.append(optimizer.param_groups[0]["lr"])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return trainer, results, booked, lrs
+
+
+def test_cuda_verdicts_reach_the_host_in_blocks_and_each_result_keeps_its_own():
+    from precisionloop.engine import VERDICTS_PER_COPY as k
+
+    trainer, results, booked, _ = _verdict_run(scheduled=False)
+    # A block of k steps is copied when full and booked at the next step: no copy, no event, no wait between.
+    assert booked == [k * ((i - 1) // k) for i in range(2, 41)]
+    assert [r.skipped for r in results] == [i in (5, 17, 18) for i in range(1, 41)]  # read after all 40 steps
+    losses = [r.loss for r in results]
+    assert len(set(losses)) == 40 and all(loss == loss for loss in losses)  # distinct rows, none overwritten
+    stats = trainer.stats
+    assert (stats.steps, stats.skipped, trainer.engine.last_loss) == (40, 3, losses[-1])
+
+
+def test_cuda_a_scheduler_books_each_step_at_the_next_so_the_lr_follows_real_steps():
+    trainer, results, booked, lrs = _verdict_run(scheduled=True)
+    assert booked == list(range(1, 40))  # each step booked by the next
+    taken = [sum(r.stepped for r in results[:i]) for i in range(1, 40)]  # steps really taken before step i + 1
+    assert lrs == pytest.approx([0.1 / (1 + t) for t in taken])
+    assert trainer.stats.steps == 40 and trainer.stats.skipped == 3
 
 
 def test_compiled_with_cuda_graphs_matches_eager_and_still_skips():

@@ -474,3 +474,87 @@ def test_to_device_converts_layouts_whose_strides_fit_both(shape):
     moved = to_device(x, torch.device("cpu"), torch.channels_last)
     expected = x.to(memory_format=torch.channels_last)
     assert moved.stride() == expected.stride() and (moved is x) == (expected is x)
+
+
+# Verdicts in blocks: with no scheduler, CUDA copies VERDICTS_PER_COPY steps' verdicts to the host at once.
+# The CPU books each step at once; these tests set a block size on the CPU to run the same bookkeeping.
+
+def _trainers_one_blocked(precision, **kw):
+    """Two identical trainers: one books each step, the other in blocks of 4."""
+    pair = []
+    for per_copy in (1, 4):
+        model = tiny_mlp()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", **kw)
+        trainer.engine.verdicts_per_copy = per_copy
+        pair.append((model, Poison(model[0].weight), trainer))
+    return pair
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_verdicts_in_blocks_book_every_step_once_and_results_keep_their_rows(precision):
+    (ref_model, ref_poison, ref), (model, poison, blocked) = _trainers_one_blocked(precision)
+    kept = []
+    for i, b in enumerate(batches(10)):
+        ref_poison.armed = poison.armed = i in (2, 5, 6)
+        kept.append((ref.step(b), blocked.step(b)))
+    assert blocked.engine.stats.steps == 8  # two full blocks booked, the last two steps still on their way
+    assert ref.engine.stats.steps == 10
+    assert blocked.stats == ref.stats and blocked.engine.last_loss == ref.engine.last_loss
+    assert blocked.engine.consecutive_skips == ref.engine.consecutive_skips == 0
+    # Read after every later step: each result still reads its own row, never a later step's.
+    assert [(r.loss, r.skipped, r.scale) for r, _ in kept] == [(r.loss, r.skipped, r.scale) for _, r in kept]
+    assert [r.skipped for r, _ in kept] == [i in (2, 5, 6) for i in range(10)]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_the_skip_limit_in_blocks_raises_once_the_block_is_read_with_every_step_counted():
+    _, (_, poison, trainer) = _trainers_one_blocked("bf16", max_consecutive_skips=3)
+    poison.armed = True
+    data = batches(5)
+    for b in data[:3]:
+        assert trainer.step(b).skipped  # the block of 4 is not full: nothing is booked yet
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row") as info:
+        trainer.step(data[3])
+    assert "optimizer step 3" in str(info.value)  # where the limit was reached, not where it was read
+    assert trainer.engine.stats.steps == trainer.global_step == 4 and trainer.engine.stats.skipped == 4
+    poison.armed = False
+    assert trainer.step(data[4]).stepped and trainer.stats.steps == 5  # training can go on after the error
+
+
+def test_a_scheduler_books_each_step_before_the_next_even_with_blocks():
+    model = tiny_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    trainer = Trainer(model, optimizer, "bf16", device="cpu", scheduler=scheduler)
+    trainer.engine.verdicts_per_copy = 4
+    poison = Poison(model[0].weight)
+    lrs, stepped = [], 0
+    for i, b in enumerate(batches(6)):
+        poison.armed = i in (1, 2)
+        stepped += trainer.step(b).stepped
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == [0.1 * 0.5**n for n in (1, 1, 1, 2, 3, 4)] and stepped == 4
+
+
+def test_a_loss_that_turns_float64_mid_block_keeps_both_blocks_whole():
+    wide = {"on": False}
+    runs = []
+    for per_copy in (1, 4):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu",
+                          loss_fn=lambda out, y: nn.functional.cross_entropy(out.double() if wide["on"] else out, y))
+        trainer.engine.verdicts_per_copy = per_copy
+        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+        results, booked = [], []
+        for i in range(7):
+            wide["on"] = i >= 2  # two steps in an fp32 block, then float64 ones
+            results.append(trainer.step((x, y)))
+            booked.append(trainer.engine.stats.steps)
+        runs.append((trainer, [r.loss for r in results], booked))
+    (ref, ref_losses, ref_booked), (blocked, losses, booked) = runs
+    assert ref_booked == [1, 2, 3, 4, 5, 6, 7]
+    # The fp32 block's two rows are read when it ends (step 3) and booked at the next step; the float64 block at 6.
+    assert booked == [0, 0, 0, 2, 2, 6, 6]
+    assert losses == ref_losses and blocked.stats == ref.stats and blocked.engine.last_loss == ref.engine.last_loss
+    assert len(set(losses)) == 7  # the losses differ from step to step, so a row read twice would show
