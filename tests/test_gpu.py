@@ -130,7 +130,7 @@ def test_cuda_verdict_is_booked_by_stats_and_the_skip_limit_still_fires():
         _ = trainer.stats
 
 
-def _verdict_run(scheduled: bool, n: int = 40):
+def _verdict_run(scheduled: bool, n: int = 40, per_copy: int | None = None):
     """n fused bf16 steps on CUDA with NaN gradients at steps 5, 17 and 18 (1-based); the stats booked after each."""
     model = tiny_mlp()
     armed = {"on": False}
@@ -138,6 +138,8 @@ def _verdict_run(scheduled: bool, n: int = 40):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1 + k)) if scheduled else None
     trainer = Trainer(model, optimizer, "bf16", device="cuda", scheduler=scheduler)
+    if per_copy is not None:
+        trainer.engine.verdicts_per_copy = per_copy
     data = [(x.cuda(), y.cuda()) for x, y in batches(n, seed=3)]
     results, booked, lrs = [trainer.step(data[0])], [], []
     torch.cuda.synchronize()
@@ -161,7 +163,9 @@ def test_cuda_verdicts_reach_the_host_in_blocks_and_each_result_keeps_its_own():
     assert booked == [k * ((i - 1) // k) for i in range(2, 41)]
     assert [r.skipped for r in results] == [i in (5, 17, 18) for i in range(1, 41)]  # read after all 40 steps
     losses = [r.loss for r in results]
-    assert len(set(losses)) == 40 and all(loss == loss for loss in losses)  # distinct rows, none overwritten
+    _, each, each_booked, _ = _verdict_run(scheduled=False, per_copy=1)
+    assert each_booked == list(range(1, 40))  # a block of one: each step booked by the next
+    assert losses == [r.loss for r in each]  # every row read late is its own step's, none overwritten
     stats = trainer.stats
     assert (stats.steps, stats.skipped, trainer.engine.last_loss) == (40, 3, losses[-1])
 
