@@ -2,8 +2,9 @@
 micro-batches one optimizer step behind the policy's gradient guard.
 
 One code path serves every precision: the guard (see :mod:`precisionloop.guard`) owns loss
-scaling and the inf/NaN verdict. The verdict stays on the device and is booked (counters,
-scheduler, skip limit) at the next optimizer step, so a fused optimizer never syncs the host.
+scaling and the inf/NaN verdict. The verdict stays on the device, one row per optimizer step, and is
+booked (counters, scheduler, skip limit) later: at the next optimizer step when a scheduler needs it,
+else every ``VERDICTS_PER_COPY`` steps on CUDA. So a fused optimizer never syncs the host.
 No loop and no files here: :mod:`precisionloop.loop` and :mod:`precisionloop.checkpoint` do those.
 """
 
@@ -194,6 +195,7 @@ class StepEngine:
         # Verdicts per copy to the host (with no scheduler): on the CPU each step is booked at once.
         self.verdicts_per_copy = VERDICTS_PER_COPY if device.type == "cuda" else 1
         self._rows: torch.Tensor | None = None  # this block's verdicts on the device, one row per optimizer step
+        self._row_views: tuple[torch.Tensor, ...] = ()  # _rows' rows
         self._filled = 0  # rows of _rows written and not yet copied to the host
         self._pending: tuple[torch.Tensor, Any] | None = None  # verdicts copied (or on their way) to the host, unread
         self._unbooked: list[list[float]] = []  # verdicts on the host, not yet booked
@@ -284,7 +286,7 @@ class StepEngine:
         if loss.device != found_inf.device:
             loss = loss.to(found_inf.device)
         parts = [found_inf, loss] + ([] if scale is None else [scale])
-        verdict = self._verdict_row(parts)
+        verdict = self._verdict_row(parts).unbind()  # found_inf, loss (and scale) as views, in one call
         if scale is not None:
             self.last_scale = verdict[2]
         self.optimizer.zero_grad(set_to_none=True)
@@ -309,8 +311,8 @@ class StepEngine:
             # With a scheduler every step is booked before the next: the LR must follow real steps only.
             height = 1 if self.scheduler is not None else self.verdicts_per_copy
             rows = self._rows = torch.empty((height, len(parts)), dtype=dtype, device=parts[0].device)
-            self._filled = 0
-        row = rows[self._filled]
+            self._row_views, self._filled = rows.unbind(), 0
+        row = self._row_views[self._filled]
         torch.stack([t if t.dim() == 0 else t.reshape(()) for t in parts], out=row)
         self._filled += 1
         return row
@@ -325,7 +327,8 @@ class StepEngine:
 
     def _copy_rows(self) -> None:
         """Queue the filled rows' copy to the pinned buffer, with an event to wait on; a new block starts."""
-        rows, self._rows, filled, self._filled = self._rows[: self._filled], None, self._filled, 0
+        rows, filled = self._rows[: self._filled], self._filled
+        self._rows, self._row_views, self._filled = None, (), 0
         if not rows.is_cuda:
             self._pending = (rows, None)
             return

@@ -160,7 +160,7 @@ class FiniteGuard:
     def __init__(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.all_reduce_max = all_reduce_max
         self._ones: dict[torch.device, torch.Tensor] = {}
-        self._zeros: dict[torch.device, tuple[torch.Tensor, int]] = {}  # a slab of zeros and the next unused index
+        self._zeros: dict[torch.device, tuple[tuple[torch.Tensor, ...], int]] = {}  # a slab's zeros, the next unused
         self._first = _FirstStepCheck()
         self._plain = -1  # the gradient count last seen all dense, plain tensors on one device and dtype
 
@@ -209,11 +209,11 @@ class FiniteGuard:
         optimizer step first waits for the last one's verdict. fp32 explicitly: the fused check
         rejects other dtypes, whatever torch's default dtype is.
         """
-        slab, used = self._zeros.get(device, (None, self._SLAB))
-        if used >= self._SLAB:
-            slab, used = torch.zeros(self._SLAB, dtype=torch.float32, device=device), 0
-        self._zeros[device] = (slab, used + 1)
-        return slab[used]
+        zeros, used = self._zeros.get(device, ((), self._SLAB))
+        if used >= self._SLAB:  # its elements as views, made in one call: indexing a tensor each step costs more
+            zeros, used = torch.zeros(self._SLAB, dtype=torch.float32, device=device).unbind(), 0
+        self._zeros[device] = (zeros, used + 1)
+        return zeros[used]
 
     def _ones_on(self, device: torch.device) -> torch.Tensor:
         ones = self._ones.get(device)

@@ -45,7 +45,9 @@ class Trainer:
             at each epoch's end.
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the unscaled gradients to this total norm.
-        max_consecutive_skips: raise after this many skipped steps in a row.
+        max_consecutive_skips: raise after this many skipped steps in a row. On CUDA without a
+            scheduler the verdicts are read 16 steps at a time, so the error can come up to
+            16 steps later; ``trainer.stats`` reads them all at once.
         compile: ``torch.compile`` the model's forward and backward. ``True`` picks
             ``"reduce-overhead"`` (CUDA graphs, which pay most on launch-bound steps)
             on CUDA and ``"default"`` elsewhere; a string names the mode. The optimizer
@@ -208,7 +210,8 @@ class Trainer:
         No host sync happens here unless the optimizer forces one: a non-fused optimizer
         under fp16 (``GradScaler.step`` reads the inf check) or under fp32/bf16 (the skip
         decision is made on the host). With a fused optimizer the skip happens on the
-        device, and the step's verdict is read one optimizer step later. Gradients are
+        device, and the step's verdict is booked later: at the next optimizer step with a
+        scheduler, else in blocks of 16 steps on CUDA (``trainer.stats`` books all). Gradients are
         enabled inside the step even under the caller's ``torch.no_grad()``. The policy's
         backend flags are set for the step and the caller's restored after it; a loop of your
         own that holds ``trainer.policy.backend_flags()`` around its steps saves those writes.
