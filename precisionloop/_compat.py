@@ -31,6 +31,13 @@ def non_finite_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_sc
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
+def current_stream_id(device: torch.device) -> int | None:
+    """The current CUDA stream on ``device`` as a plain number (no Stream object: it is asked every step); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """True for optimizers whose ``step`` takes the inf verdict as a tensor (torch's fused ones)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))

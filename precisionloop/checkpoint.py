@@ -275,7 +275,7 @@ def _find_class(name: str) -> type | None:
 def restore_trainer(trainer, state: dict) -> None:
     """Load what :func:`trainer_state` returned into ``trainer``; call :func:`check_fits` first, so a misfit changes nothing."""
     engine, loop = trainer.engine, trainer.loop_state
-    engine.settle()
+    engine.discard_verdicts()  # not booked: the counters, stats and scheduler they would change are replaced below
     engine.discard_window()  # gradients of an open window belong to the run being replaced
     load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], engine.distributed)
     if trainer.scheduler is not None and state.get("scheduler") is not None:

@@ -194,13 +194,8 @@ class StepEngine:
         self.after_step: Callable[[], None] | None = None  # the policy's optimizer_step_hook, asked in configure
         # Verdicts per copy to the host (with no scheduler): on the CPU each step is booked at once.
         self.verdicts_per_copy = VERDICTS_PER_COPY if device.type == "cuda" else 1
-        self._rows: torch.Tensor | None = None  # this block's verdicts on the device, one row per optimizer step
-        self._row_views: tuple[torch.Tensor, ...] = ()  # _rows' rows
-        self._filled = 0  # rows of _rows written and not yet copied to the host
-        self._pending: tuple[torch.Tensor, Any] | None = None  # verdicts copied (or on their way) to the host, unread
-        self._unbooked: list[list[float]] = []  # verdicts on the host, not yet booked
-        self._host: torch.Tensor | None = None  # pinned buffer the verdicts are copied into
-        self._event: Any = None
+        self._verdicts = _VerdictBlocks()
+        self._limit_hit: tuple[int, int, float | None] | None = None  # the skip limit, reached in rows being booked
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
@@ -286,62 +281,19 @@ class StepEngine:
         if loss.device != found_inf.device:
             loss = loss.to(found_inf.device)
         parts = [found_inf, loss] + ([] if scale is None else [scale])
-        verdict = self._verdict_row(parts).unbind()  # found_inf, loss (and scale) as views, in one call
+        # With a scheduler each step is booked before the next: the LR must follow real steps only.
+        height = 1 if self.scheduler is not None else self.verdicts_per_copy
+        verdict = self._verdicts.write(parts, height).unbind()  # found_inf, loss (and scale) as views, in one call
         if scale is not None:
             self.last_scale = verdict[2]
         self.optimizer.zero_grad(set_to_none=True)
         self.micro, self.unsynced = 0, False
         self.global_step += 1
-        self._book_later()
-        if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales), once booked
+        if self._verdicts.copy_if_full():  # on the CPU the copy is the rows themselves: book them now
+            self._book()
+        if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales)
             self.after_step()
         return StepResult(verdict[1], due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
-
-    def _verdict_row(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Write ``[found_inf, loss, scale]`` into the next free row of this block: one kernel, no allocation.
-
-        fp32, or fp64 for a float64 loss, which keeps its digits. A block is never reused, so a
-        ``StepResult`` read long after its step still reads its own row.
-        """
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
-        rows = self._rows
-        if rows is None or rows.dtype != dtype or rows.shape[1] != len(parts):
-            if rows is not None:  # a float64 loss, or a guard with a scale after one without (rare): read the block now
-                self._unbooked += rows[: self._filled].tolist()
-            # With a scheduler every step is booked before the next: the LR must follow real steps only.
-            height = 1 if self.scheduler is not None else self.verdicts_per_copy
-            rows = self._rows = torch.empty((height, len(parts)), dtype=dtype, device=parts[0].device)
-            self._row_views, self._filled = rows.unbind(), 0
-        row = self._row_views[self._filled]
-        torch.stack([t if t.dim() == 0 else t.reshape(()) for t in parts], out=row)
-        self._filled += 1
-        return row
-
-    def _book_later(self) -> None:
-        """Once the block is full, queue its copy to the host; on the CPU, book it at once."""
-        if self._filled < self._rows.shape[0]:
-            return
-        self._copy_rows()
-        if self._pending[1] is None:  # rows on the CPU: nothing is in flight
-            self._book()
-
-    def _copy_rows(self) -> None:
-        """Queue the filled rows' copy to the pinned buffer, with an event to wait on; a new block starts."""
-        rows, filled = self._rows[: self._filled], self._filled
-        self._rows, self._row_views, self._filled = None, (), 0
-        if not rows.is_cuda:
-            self._pending = (rows, None)
-            return
-        # One pinned buffer and one event, reused: the last copy was booked before this one is queued.
-        host = self._host
-        if host is None or host.shape[0] < filled or host.shape[1:] != rows.shape[1:] or host.dtype != rows.dtype:
-            host = self._host = torch.empty((max(filled, self.verdicts_per_copy), rows.shape[1]), dtype=rows.dtype,
-                                            pin_memory=True)
-            self._event = torch.cuda.Event()
-        host = host[:filled]
-        host.copy_(rows, non_blocking=True)
-        self._event.record(torch.cuda.current_stream(rows.device))
-        self._pending = (host, self._event)
 
     def discard_window(self) -> None:
         """Drop the gradients of an open accumulation window (after an error, or on load)."""
@@ -358,44 +310,131 @@ class StepEngine:
         Raises:
             RuntimeError: ``max_consecutive_skips`` steps in a row were skipped.
         """
+        self._verdicts.copy()
         self._book()
-        if self._filled:
-            self._copy_rows()
-            self._book()
+
+    def discard_verdicts(self) -> None:
+        """Forget the verdicts not yet booked: a load replaces the counters, stats and scheduler they would change."""
+        self._verdicts = _VerdictBlocks()
+        self._limit_hit = None
 
     def _book(self) -> None:
-        """Book the verdicts read or copied to the host, waiting for their copy only, not for work queued since."""
+        """Book the verdicts on the host or copied there, waiting for that copy only, not for work queued since.
+
+        One row at a time, each taken off the queue as it is booked: an error or an interrupt in
+        between leaves the rest for the next call, never books a row twice.
+        """
+        unread = self._verdicts.receive()
+        while unread:
+            self._record(unread.pop(0))
+        if self._limit_hit is not None:
+            (skips, step, scale), self._limit_hit = self._limit_hit, None
+            raise RuntimeError(
+                f"{skips} optimizer steps in a row were skipped for non-finite gradients (at optimizer step {step}, "
+                f"loss scale {scale}); the loss or the model diverged. "
+                "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'")
+
+    def _record(self, values: list[float]) -> None:
+        skipped, self.last_loss, scale = bool(values[0]), values[1], (values[2] if len(values) > 2 else None)
+        self.stats._record(skipped, scale)
+        if not skipped:
+            self.consecutive_skips = 0
+            if self.scheduler is not None:
+                self.scheduler.step()
+        else:
+            self.consecutive_skips += 1
+            # Raised once the rows read with it are booked, so the counters stay whole.
+            if self.consecutive_skips >= self.max_consecutive_skips and self._limit_hit is None:
+                self._limit_hit = (self.consecutive_skips, self.stats.steps, scale)
+        if scale is not None and scale < 1 and not self.collapse_warned:
+            self.collapse_warned = True
+            warnings.warn(
+                f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss scale is "
+                "collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train this model",
+                RuntimeWarning, stacklevel=6)
+
+
+class _VerdictBlocks:
+    """Each optimizer step's verdict, a row of a device block, copied to the host a block at a time.
+
+    A step writes its row with one kernel; a full block is copied to a pinned buffer with one
+    copy and one event. A block is never reused, so a ``StepResult`` read long after its step
+    still reads its own row. A block belongs to the CUDA stream current when it was made: its
+    copy runs there, and a step on another stream starts a new block.
+    """
+
+    def __init__(self) -> None:
+        self._rows: torch.Tensor | None = None  # this block, one row per optimizer step
+        self._views: tuple[torch.Tensor, ...] = ()  # its rows, made once
+        self._filled = 0  # rows written and not yet copied
+        self._stream: Any = None  # the CUDA stream of this block (None on the CPU) and its number
+        self._stream_id: int | None = None
+        self._pending: tuple[torch.Tensor, Any] | None = None  # a copy on its way to the host: (buffer, event)
+        self._host: torch.Tensor | None = None  # the pinned buffer, reused: a copy is read before the next is queued
+        self._event: Any = None
+        self.unread: list[list[float]] = []  # rows on the host, not yet booked
+
+    def write(self, parts: list[torch.Tensor], height: int) -> torch.Tensor:
+        """Stack ``parts`` into the next row of this block (of ``height`` rows) and return the row.
+
+        fp32, or fp64 for a float64 loss, which keeps its digits. A new dtype, width or stream
+        ends the block early (rare): its rows are read to the host at once, on its own stream.
+        """
+        device = parts[0].device
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
+        stream_id = _compat.current_stream_id(device)
+        rows = self._rows
+        if rows is None or rows.dtype != dtype or rows.shape[1] != len(parts) or stream_id != self._stream_id:
+            if rows is not None:
+                self.receive()  # older rows first (none are on their way when a step writes: it booked them)
+                with self._on_stream():
+                    self.unread += rows[: self._filled].tolist()
+            with torch.inference_mode(False):  # a flush under inference mode must not make a block later steps cannot write
+                rows = self._rows = torch.empty((height, len(parts)), dtype=dtype, device=device)
+            self._views, self._filled = rows.unbind(), 0
+            self._stream_id, self._stream = stream_id, torch.cuda.current_stream(device) if stream_id is not None else None
+        row = self._views[self._filled]
+        torch.stack([t if t.dim() == 0 else t.reshape(()) for t in parts], out=row)
+        self._filled += 1
+        return row
+
+    def copy_if_full(self) -> bool:
+        """Queue the block's copy once it is full; True when its rows are on the host already (the CPU)."""
+        if self._rows is None or self._filled < self._rows.shape[0]:
+            return False
+        self.copy()
+        return self._pending is not None and self._pending[1] is None
+
+    def copy(self) -> None:
+        """Queue the copy of the rows written so far (the last copy is read first); a new block starts."""
+        if self._filled == 0:
+            return
+        self.receive()
+        rows, filled = self._rows[: self._filled], self._filled
+        with self._on_stream():
+            self._rows, self._views, self._filled = None, (), 0
+            if not rows.is_cuda:
+                self._pending = (rows, None)
+                return
+            host = self._host
+            if host is None or host.shape[0] < filled or host.shape[1:] != rows.shape[1:] or host.dtype != rows.dtype:
+                with torch.inference_mode(False):
+                    host = self._host = torch.empty((max(filled, VERDICTS_PER_COPY), rows.shape[1]), dtype=rows.dtype,
+                                                    pin_memory=True)
+                self._event = torch.cuda.Event()
+            host = host[:filled]
+            host.copy_(rows, non_blocking=True)
+            self._event.record(self._stream)
+            self._pending = (host, self._event)
+
+    def receive(self) -> list[list[float]]:
+        """Wait for the copy on its way, if any, and return the rows on the host (the list to book from)."""
         if self._pending is not None:
             host, event = self._pending
-            self._pending = None
             if event is not None:
-                event.synchronize()
-            self._unbooked += host.tolist()
-        if self._unbooked:
-            rows, self._unbooked = self._unbooked, []
-            self._record(rows)
+                event.synchronize()  # an interrupt here leaves the copy pending, to be read next time
+            self.unread, self._pending = self.unread + host.tolist(), None
+        return self.unread
 
-    def _record(self, rows: list[list[float]]) -> None:
-        limit_hit = None
-        for values in rows:  # every row is booked, even past the skip limit, so the counters stay whole
-            skipped, self.last_loss, scale = bool(values[0]), values[1], (values[2] if len(values) > 2 else None)
-            self.stats._record(skipped, scale)
-            if not skipped:
-                self.consecutive_skips = 0
-                if self.scheduler is not None:
-                    self.scheduler.step()
-            else:
-                self.consecutive_skips += 1
-                if self.consecutive_skips >= self.max_consecutive_skips and limit_hit is None:
-                    limit_hit = (self.consecutive_skips, self.stats.steps, scale)
-            if scale is not None and scale < 1 and not self.collapse_warned:
-                self.collapse_warned = True
-                warnings.warn(
-                    f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss scale is "
-                    "collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train this model",
-                    RuntimeWarning, stacklevel=6)
-        if limit_hit is not None:
-            raise RuntimeError(
-                f"{limit_hit[0]} optimizer steps in a row were skipped for non-finite gradients "
-                f"(at optimizer step {limit_hit[1]}, loss scale {limit_hit[2]}); the loss or the model diverged. "
-                "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'")
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()

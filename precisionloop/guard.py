@@ -160,7 +160,8 @@ class FiniteGuard:
     def __init__(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.all_reduce_max = all_reduce_max
         self._ones: dict[torch.device, torch.Tensor] = {}
-        self._zeros: dict[torch.device, tuple[tuple[torch.Tensor, ...], int]] = {}  # a slab's zeros, the next unused
+        # Per device: a slab's zeros, the next unused one, the CUDA stream that filled it.
+        self._zeros: dict[torch.device, tuple[tuple[torch.Tensor, ...], int, int | None]] = {}
         self._first = _FirstStepCheck()
         self._plain = -1  # the gradient count last seen all dense, plain tensors on one device and dtype
 
@@ -205,14 +206,18 @@ class FiniteGuard:
         A fill per step would cost a kernel launch (tens of microseconds of host time on some
         hosts); a slab costs one every ``_SLAB`` steps. No element is handed out twice, so a
         verdict the step returned (or a queued kernel) never sees it change. The slab is filled on
-        the stream current when it is made; a step on another stream finds it filled, since each
-        optimizer step first waits for the last one's verdict. fp32 explicitly: the fused check
-        rejects other dtypes, whatever torch's default dtype is.
+        the CUDA stream current when it is made, and a step on another stream gets a new slab: no
+        step waits for the last one, so nothing else orders that fill before another stream's check.
+        fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
         """
-        zeros, used = self._zeros.get(device, ((), self._SLAB))
-        if used >= self._SLAB:  # its elements as views, made in one call: indexing a tensor each step costs more
-            zeros, used = torch.zeros(self._SLAB, dtype=torch.float32, device=device).unbind(), 0
-        self._zeros[device] = (zeros, used + 1)
+        stream = _compat.current_stream_id(device)
+        zeros, used, made_on = self._zeros.get(device, ((), self._SLAB, stream))
+        if used >= self._SLAB or made_on != stream:
+            # Outside inference mode, or a step under it (a flush) would leave later steps a slab they cannot write.
+            with torch.inference_mode(False):
+                # its elements as views, made in one call: indexing a tensor each step costs more
+                zeros, used = torch.zeros(self._SLAB, dtype=torch.float32, device=device).unbind(), 0
+        self._zeros[device] = (zeros, used + 1, stream)
         return zeros[used]
 
     def _ones_on(self, device: torch.device) -> torch.Tensor:

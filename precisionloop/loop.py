@@ -162,7 +162,8 @@ def _run_epoch(trainer, loader: Iterable, plan: FitPlan) -> dict:
     total = len(loader) if hasattr(loader, "__len__") else None
     bar = tqdm(total=total, initial=resume_at, desc=f"epoch {state.epoch + 1}/{plan.epochs}", disable=not plan.progress,
                dynamic_ncols=True, leave=True)
-    tally = _Tally(trainer.device, engine.global_step, engine.stats.skipped, len(trainer.underflow_history))
+    # trainer.stats books the steps taken before this epoch, so the epoch's skipped count starts from them.
+    tally = _Tally(trainer.device, engine.global_step, trainer.stats.skipped, len(trainer.underflow_history))
     flags = _HeldFlags(trainer)
     complete = True
     with contextlib.ExitStack() as cleanup:  # last in, first out; each runs even if one before it raised

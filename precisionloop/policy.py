@@ -157,8 +157,9 @@ class PrecisionPolicy:
         """What to run after each optimizer step (and after a checkpoint loads) on ``model``; None for nothing.
 
         Asked once per configuration, so the per-step cost of None is one test. It runs after the
-        step's bookkeeping, after skipped steps too (the weights did not change then; it must be
-        harmless to run again).
+        optimizer step, once ``global_step`` counts it, and after skipped steps too (the weights
+        did not change then; it must be harmless to run again). The step's verdict may not be
+        booked yet (on CUDA it is read later); ``trainer.stats`` books it, at the cost of a wait.
 
         Args:
             model: the model as it trains (prepared, and wrapped or sharded if distributed).

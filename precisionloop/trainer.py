@@ -142,6 +142,7 @@ class Trainer:
         The Trainer's own fields change only once the policy has prepared the model, so a policy
         that refuses the model or its device leaves the Trainer as it was.
         """
+        self.engine.settle()  # the old guard's verdicts are booked under it, before anything changes
         model, input_format = self.model, torch.contiguous_format
         guard = policy.make_guard(self.device.type)
         if prepare:

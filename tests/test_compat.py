@@ -132,3 +132,20 @@ def test_forget_unscale_lets_the_next_step_unscale_again():
         scaler.unscale_(optimizer)
     _compat.forget_unscale(scaler)
     scaler.unscale_(optimizer)  # no "already been called" error
+
+
+def test_current_stream_id_is_none_off_cuda_and_the_raw_api_exists():
+    assert _compat.current_stream_id(torch.device("cpu")) is None
+    assert callable(torch._C._cuda_getCurrentRawStream)  # in every CUDA build, GPU or not
+
+
+@pytest.mark.gpu
+def test_current_stream_id_follows_the_current_cuda_stream():
+    device = torch.device("cuda", torch.cuda.current_device())
+    default = _compat.current_stream_id(device)
+    assert default == torch.cuda.current_stream(device).cuda_stream
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        assert _compat.current_stream_id(device) == side.cuda_stream != default
+        assert _compat.current_stream_id(torch.device("cuda")) == side.cuda_stream  # no index: the current GPU
+    assert _compat.current_stream_id(device) == default

@@ -178,6 +178,37 @@ def test_cuda_a_scheduler_books_each_step_at_the_next_so_the_lr_follows_real_ste
     assert trainer.stats.steps == 40 and trainer.stats.skipped == 3
 
 
+def _stream_run(streams):
+    """Fused bf16 steps on CUDA, step i on streams[i % len] (None: the default); NaN gradients at steps 3, 6 and 7."""
+    model = tiny_mlp()
+    armed = {"on": False}
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if armed["on"] else g)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True), "bf16", device="cuda")
+    data = [(x.cuda(), y.cuda()) for x, y in batches(40, seed=5)]
+    torch.cuda.synchronize()
+    results, last = [], torch.cuda.current_stream()
+    for i, batch in enumerate(data):
+        armed["on"] = i in (3, 6, 7)
+        stream = streams[i % len(streams)] or torch.cuda.current_stream()
+        stream.wait_stream(last)  # the weights the last step wrote, as any program that switches streams must
+        with torch.cuda.stream(stream):
+            results.append(trainer.step(batch))
+        last = stream
+    stats = trainer.stats  # read on the default stream, which waited for none of the side streams
+    return model, [(r.loss, r.skipped) for r in results], (stats.steps, stats.skipped)
+
+
+def test_cuda_steps_on_side_streams_book_the_same_verdicts_as_on_one_stream():
+    reference = _stream_run([None])
+    one_side = _stream_run([torch.cuda.Stream()])
+    alternating = _stream_run([torch.cuda.Stream(), None, torch.cuda.Stream()])
+    torch.cuda.synchronize()
+    for model, results, stats in (one_side, alternating):
+        assert stats == reference[2] == (40, 3)
+        assert results == reference[1]
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference[0].parameters()))
+
+
 def test_compiled_with_cuda_graphs_matches_eager_and_still_skips():
     data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
     eager_model, graph_model = tiny_mlp(), tiny_mlp()

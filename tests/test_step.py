@@ -558,3 +558,106 @@ def test_a_loss_that_turns_float64_mid_block_keeps_both_blocks_whole():
     assert booked == [0, 0, 0, 2, 2, 6, 6]
     assert losses == ref_losses and blocked.stats == ref.stats and blocked.engine.last_loss == ref.engine.last_loss
     assert len(set(losses)) == 7  # the losses differ from step to step, so a row read twice would show
+
+
+def _blocked(precision="bf16", per_copy=4, **kw):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", **kw)
+    trainer.engine.verdicts_per_copy = per_copy
+    return model, Poison(model[0].weight), trainer
+
+
+def test_a_flush_under_inference_mode_leaves_later_steps_a_block_they_can_write():
+    _, _, trainer = _blocked(grad_accum_steps=2)
+    data = batches(7)
+    trainer.step(data[0])
+    with torch.inference_mode():
+        assert trainer.flush().stepped  # the first row of a new block
+    assert [trainer.step(b).due for b in data[1:]] == [False, True] * 3
+    assert trainer.global_step == 4 and trainer.stats.steps == 4
+
+
+def test_an_error_while_booking_a_block_leaves_its_other_rows_and_the_skip_limit_to_come():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(init_scale=4.0), device="cpu",
+                      max_consecutive_skips=4)
+    trainer.engine.verdicts_per_copy = 4
+    Poison(model[0].weight).armed = True
+    batch = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the collapse warning, at the block's third row, raises
+        for _ in range(3):
+            trainer.step(batch)
+        with pytest.raises(RuntimeWarning, match="collapsing"):
+            trainer.step(batch)
+    with pytest.raises(RuntimeError, match="4 optimizer steps in a row"):
+        _ = trainer.stats  # the fourth row is booked, then the skip limit it reached is raised
+    assert trainer.engine.stats.steps == trainer.global_step == 4 and trainer.engine.stats.min_scale == 0.25
+
+
+class _SlowEvent:
+    """Stands in for a CUDA event: its wait can be interrupted, as a Ctrl-C interrupts ``Event.synchronize``."""
+
+    interrupt = False
+
+    def synchronize(self):
+        if _SlowEvent.interrupt:
+            _SlowEvent.interrupt = False
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_while_waiting_for_a_blocks_copy_loses_no_step(monkeypatch):
+    from precisionloop.engine import _VerdictBlocks
+
+    copy = _VerdictBlocks.copy
+
+    def copy_in_flight(self):  # as on CUDA: the copy is on its way, booked at the next step
+        copy(self)
+        if self._pending is not None:
+            self._pending = (self._pending[0].clone(), _SlowEvent())
+
+    monkeypatch.setattr(_VerdictBlocks, "copy", copy_in_flight)
+    _, _, trainer = _blocked()
+    data = batches(6)
+    for b in data[:4]:
+        trainer.step(b)
+    assert trainer.engine.stats.steps == 0  # the block of 4 is on its way
+    _SlowEvent.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        trainer.step(data[4])
+    trainer.step(data[5])
+    assert trainer.global_step == 5 and trainer.stats.steps == 5
+
+
+def test_fit_counts_as_skipped_only_its_own_steps_when_earlier_ones_are_not_booked_yet():
+    _, poison, trainer = _blocked()
+    poison.armed = True
+    for b in batches(3, seed=3):
+        assert trainer.step(b).skipped  # not booked: the block of 4 is not full
+    poison.armed = False
+    record = trainer.fit(batches(2), epochs=1, progress=False)[0]
+    assert (record["steps"], record["skipped"]) == (2, 0) and trainer.stats.skipped == 3
+
+
+def test_a_load_replaces_unbooked_verdicts_and_does_not_raise_the_old_runs_skip_limit(tmp_path):
+    _, poison, trainer = _blocked(max_consecutive_skips=3)
+    data = batches(4)
+    trainer.step(data[0])
+    good = trainer.save(tmp_path / "good.pt")
+    poison.armed = True
+    for b in data[1:]:
+        assert trainer.step(b).skipped  # three skips in a row, read with the block (not yet)
+    trainer.load(good)  # the run being replaced is not booked: its skip limit is not this run's error
+    assert trainer.global_step == 1 and trainer.stats.steps == 1 and trainer.stats.skipped == 0
+    poison.armed = False
+    assert trainer.step(data[1]).stepped and trainer.stats.steps == 2
+
+
+def test_a_new_policy_books_the_old_guards_verdicts_first():
+    model, _, trainer = _blocked("fp16")
+    for b in batches(2):
+        trainer.step(b)
+    trainer._configure(BF16Policy(), None)  # what autotune and a load do, here with verdicts unbooked
+    assert trainer.stats.steps == 2 and trainer.stats.scale is None
+    trainer.step(batches(1)[0])
+    assert trainer.stats.steps == 3 and trainer.stats.scale is None
