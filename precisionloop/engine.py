@@ -367,8 +367,8 @@ class _VerdictBlocks:
         self._rows: torch.Tensor | None = None  # this block, one row per optimizer step
         self._views: tuple[torch.Tensor, ...] = ()  # its rows, made once
         self._filled = 0  # rows written and not yet copied
-        self._stream: Any = None  # the CUDA stream of this block (None on the CPU) and its number
-        self._stream_id: int | None = None
+        self._device: torch.device | None = None
+        self._stream_id: int | None = None  # the CUDA stream this block was written on (None on the CPU)
         self._pending: tuple[torch.Tensor, Any] | None = None  # a copy on its way to the host: (buffer, event)
         self._host: torch.Tensor | None = None  # the pinned buffer, reused: a copy is read before the next is queued
         self._event: Any = None
@@ -381,9 +381,17 @@ class _VerdictBlocks:
         ends the block early (rare): its rows are read to the host at once, on its own stream.
         """
         device = parts[0].device
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
         stream_id = _compat.current_stream_id(device)
+        parts = [t if t.dim() == 0 else t.reshape(()) for t in parts]
         rows = self._rows
+        if rows is None and height == 1:  # a block of one (a scheduler, the CPU): one call makes and fills it
+            row = torch.stack(parts)
+            if row.dtype not in (torch.float32, torch.float64):  # promoted from the parts: fp64 only for a float64 loss
+                row = row.float()
+            self._rows, self._views, self._filled = row.unsqueeze(0), (row,), 1
+            self._device, self._stream_id = device, stream_id
+            return row
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
         if rows is None or rows.dtype != dtype or rows.shape[1] != len(parts) or stream_id != self._stream_id:
             if rows is not None:
                 self.receive()  # older rows first (none are on their way when a step writes: it booked them)
@@ -392,9 +400,9 @@ class _VerdictBlocks:
             with torch.inference_mode(False):  # a flush under inference mode must not make a block later steps cannot write
                 rows = self._rows = torch.empty((height, len(parts)), dtype=dtype, device=device)
             self._views, self._filled = rows.unbind(), 0
-            self._stream_id, self._stream = stream_id, torch.cuda.current_stream(device) if stream_id is not None else None
+            self._device, self._stream_id = device, stream_id
         row = self._views[self._filled]
-        torch.stack([t if t.dim() == 0 else t.reshape(()) for t in parts], out=row)
+        torch.stack(parts, out=row)
         self._filled += 1
         return row
 
@@ -424,7 +432,7 @@ class _VerdictBlocks:
                 self._event = torch.cuda.Event()
             host = host[:filled]
             host.copy_(rows, non_blocking=True)
-            self._event.record(self._stream)
+            self._event.record()  # on the block's stream, current here
             self._pending = (host, self._event)
 
     def receive(self) -> list[list[float]]:
@@ -437,4 +445,7 @@ class _VerdictBlocks:
         return self.unread
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        """The block's CUDA stream made current, if another is; a Stream object is made only then."""
+        if self._stream_id is None or _compat.current_stream_id(self._device) == self._stream_id:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(torch.cuda.ExternalStream(self._stream_id, device=self._device))
