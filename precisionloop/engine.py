@@ -322,7 +322,8 @@ class StepEngine:
         """Book the verdicts on the host or copied there, waiting for that copy only, not for work queued since.
 
         One row at a time, each taken off the queue as it is booked: an error or an interrupt in
-        between leaves the rest for the next call, never books a row twice.
+        between leaves the rest for the next call, never books a row twice. A row whose booking
+        raised (its scheduler's step, say) counts as booked.
         """
         unread = self._verdicts.receive()
         while unread:
@@ -397,9 +398,10 @@ class _VerdictBlocks:
                 self.receive()  # older rows first (none are on their way when a step writes: it booked them)
                 with self._on_stream():
                     self.unread += rows[: self._filled].tolist()
+                self._rows, self._filled = None, 0  # read: not to be read again if what follows fails
             with torch.inference_mode(False):  # a flush under inference mode must not make a block later steps cannot write
-                rows = self._rows = torch.empty((height, len(parts)), dtype=dtype, device=device)
-            self._views, self._filled = rows.unbind(), 0
+                rows = torch.empty((height, len(parts)), dtype=dtype, device=device)
+                self._rows, self._views, self._filled = rows, rows.unbind(), 0
             self._device, self._stream_id = device, stream_id
         row = self._views[self._filled]
         torch.stack(parts, out=row)
@@ -420,20 +422,22 @@ class _VerdictBlocks:
         self.receive()
         rows, filled = self._rows[: self._filled], self._filled
         with self._on_stream():
-            self._rows, self._views, self._filled = None, (), 0
-            if not rows.is_cuda:
-                self._pending = (rows, None)
-                return
-            host = self._host
-            if host is None or host.shape[0] < filled or host.shape[1:] != rows.shape[1:] or host.dtype != rows.dtype:
-                with torch.inference_mode(False):
-                    host = self._host = torch.empty((max(filled, VERDICTS_PER_COPY), rows.shape[1]), dtype=rows.dtype,
-                                                    pin_memory=True)
-                self._event = torch.cuda.Event()
-            host = host[:filled]
-            host.copy_(rows, non_blocking=True)
-            self._event.record()  # on the block's stream, current here
-            self._pending = (host, self._event)
+            pending = self._queue_copy(rows, filled) if rows.is_cuda else (rows, None)
+        # The block is let go only once its copy is queued: an error (out of memory, Ctrl-C) before then loses no row.
+        self._pending, self._rows, self._views, self._filled = pending, None, (), 0
+
+    def _queue_copy(self, rows: torch.Tensor, filled: int) -> tuple[torch.Tensor, Any]:
+        """A non-blocking copy of ``rows`` into the pinned buffer, and an event after it, on the current stream."""
+        host = self._host
+        if host is None or host.shape[0] < filled or host.shape[1:] != rows.shape[1:] or host.dtype != rows.dtype:
+            with torch.inference_mode(False):
+                host = self._host = torch.empty((max(filled, VERDICTS_PER_COPY), rows.shape[1]), dtype=rows.dtype,
+                                                pin_memory=True)
+            self._event = torch.cuda.Event()
+        host = host[:filled]
+        host.copy_(rows, non_blocking=True)
+        self._event.record()  # on the block's stream, current here
+        return host, self._event
 
     def receive(self) -> list[list[float]]:
         """Wait for the copy on its way, if any, and return the rows on the host (the list to book from)."""

@@ -206,8 +206,10 @@ class FiniteGuard:
         A fill per step would cost a kernel launch (tens of microseconds of host time on some
         hosts); a slab costs one every ``_SLAB`` steps. No element is handed out twice, so a
         verdict the step returned (or a queued kernel) never sees it change. The slab is filled on
-        the CUDA stream current when it is made, and a step on another stream gets a new slab: no
-        step waits for the last one, so nothing else orders that fill before another stream's check.
+        the CUDA stream current when it is made, and a step on another stream gets a new slab, so
+        its check never depends on a fill queued elsewhere (no step waits for the last one). Like
+        the model's weights, the inverse scale of one (``_ones_on``) is made once: a caller that
+        switches streams must order them, as for any tensor two streams share.
         fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
         """
         stream = _compat.current_stream_id(device)

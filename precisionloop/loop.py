@@ -158,12 +158,14 @@ def _step(trainer, batch: Any):
 
 def _run_epoch(trainer, loader: Iterable, plan: FitPlan) -> dict:
     engine, state = trainer.engine, trainer.loop_state
+    # trainer.stats books the steps taken before this epoch (it may raise their skip limit: before anything opens),
+    # so the epoch's skipped count starts from them.
+    skipped_before = trainer.stats.skipped
     iterator, resume_at = _start_epoch(trainer, loader)
     total = len(loader) if hasattr(loader, "__len__") else None
     bar = tqdm(total=total, initial=resume_at, desc=f"epoch {state.epoch + 1}/{plan.epochs}", disable=not plan.progress,
                dynamic_ncols=True, leave=True)
-    # trainer.stats books the steps taken before this epoch, so the epoch's skipped count starts from them.
-    tally = _Tally(trainer.device, engine.global_step, trainer.stats.skipped, len(trainer.underflow_history))
+    tally = _Tally(trainer.device, engine.global_step, skipped_before, len(trainer.underflow_history))
     flags = _HeldFlags(trainer)
     complete = True
     with contextlib.ExitStack() as cleanup:  # last in, first out; each runs even if one before it raised

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from conftest import fp32_only_loss
+from conftest import batches, fp32_only_loss, tiny_mlp
 
 from precisionloop import FP16Policy, Trainer
 from precisionloop import policy as policy_mod
@@ -425,3 +425,26 @@ def test_a_generator_loader_stopped_by_max_steps_leaves_the_callers_flags(caller
     trainer = make_trainer("bf16")
     trainer.fit(Loader(), epochs=1, max_steps=3, progress=False)
     assert trainer.global_step == 3 and policy_mod._read_flags() == callers_flags
+
+
+def test_a_skip_limit_reached_before_fit_raises_before_the_loader_is_opened():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", max_consecutive_skips=3)
+    trainer.engine.verdicts_per_copy = 4  # as on CUDA: the three skips are not booked when fit begins
+    model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    for b in batches(3):
+        assert trainer.step(b).skipped
+
+    class Loader:
+        opened = False
+
+        def __len__(self):
+            return 2
+
+        def __iter__(self):  # a DataLoader starts its workers here
+            Loader.opened = True
+            return iter(batches(2))
+
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row"):
+        trainer.fit(Loader(), epochs=1, progress=False)
+    assert not Loader.opened and trainer.global_step == 3

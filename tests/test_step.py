@@ -575,6 +575,9 @@ def test_a_flush_under_inference_mode_leaves_later_steps_a_block_they_can_write(
         assert trainer.flush().stepped  # the first row of a new block
     assert [trainer.step(b).due for b in data[1:]] == [False, True] * 3
     assert trainer.global_step == 4 and trainer.stats.steps == 4
+    # The guard's zero slab was made in that flush too: an op that adds into its element (the verdicts of
+    # gradients on two devices, an all-reduce) would fail on an inference tensor.
+    assert not trainer.engine.guard._zero_on(trainer.device).is_inference()
 
 
 def test_an_error_while_booking_a_block_leaves_its_other_rows_and_the_skip_limit_to_come():
