@@ -479,15 +479,17 @@ def test_to_device_converts_layouts_whose_strides_fit_both(shape):
 # Verdicts in blocks: with no scheduler, CUDA copies VERDICTS_PER_COPY steps' verdicts to the host at once.
 # The CPU books each step at once; these tests set a block size on the CPU to run the same bookkeeping.
 
+def _blocked(precision="bf16", per_copy=4, **kw):
+    """A tiny trainer on the CPU booking its verdicts in blocks of ``per_copy``: (model, poison, trainer)."""
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", **kw)
+    trainer.engine.verdicts_per_copy = per_copy
+    return model, Poison(model[0].weight), trainer
+
+
 def _trainers_one_blocked(precision, **kw):
     """Two identical trainers: one books each step, the other in blocks of 4."""
-    pair = []
-    for per_copy in (1, 4):
-        model = tiny_mlp()
-        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", **kw)
-        trainer.engine.verdicts_per_copy = per_copy
-        pair.append((model, Poison(model[0].weight), trainer))
-    return pair
+    return [_blocked(precision, per_copy, **kw) for per_copy in (1, 4)]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -558,13 +560,6 @@ def test_a_loss_that_turns_float64_mid_block_keeps_both_blocks_whole():
     assert booked == [0, 0, 0, 2, 2, 6, 6]
     assert losses == ref_losses and blocked.stats == ref.stats and blocked.engine.last_loss == ref.engine.last_loss
     assert len(set(losses)) == 7  # the losses differ from step to step, so a row read twice would show
-
-
-def _blocked(precision="bf16", per_copy=4, **kw):
-    model = tiny_mlp()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", **kw)
-    trainer.engine.verdicts_per_copy = per_copy
-    return model, Poison(model[0].weight), trainer
 
 
 def test_a_flush_under_inference_mode_leaves_later_steps_a_block_they_can_write():
