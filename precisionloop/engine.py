@@ -145,8 +145,11 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
     """Move every tensor in a (nested) batch to ``device``, 4-D float tensors in ``memory_format``."""
     if isinstance(batch, torch.Tensor):
         fmt = memory_format if batch.dim() == 4 and batch.is_floating_point() else torch.preserve_format
-        if fmt is torch.preserve_format and batch.device == device:
-            return batch  # what .to would return, without its argument parsing (a batch kept on the GPU)
+        if batch.device == device and (fmt is torch.preserve_format or (
+                batch.is_contiguous(memory_format=fmt) and not batch.is_contiguous())):
+            # What .to would return, without its argument parsing (microseconds a step). A tensor contiguous in
+            # both layouts is left to .to, which goes by the layout its strides suggest.
+            return batch
         return batch.to(device, non_blocking=device.type == "cuda", memory_format=fmt)
     if isinstance(batch, dict):
         moved = {k: to_device(v, device, memory_format) for k, v in batch.items()}
@@ -156,10 +159,11 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
             return type(batch)(moved)  # a dict subclass stays one (attribute-style batches, say)
         except TypeError:
             return moved
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device, memory_format) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device, memory_format) for v in batch)
+        moved = [to_device(v, device, memory_format) for v in batch]
+        if isinstance(batch, tuple) and all(m is v for m, v in zip(moved, batch)):
+            return batch  # nothing moved: the same (immutable) tuple, not a copy of it
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     return batch
 
 
@@ -409,32 +413,47 @@ class _VerdictBlocks:
         return row
 
     def copy_if_full(self) -> bool:
-        """Queue the block's copy once it is full; True when its rows are on the host already (the CPU)."""
-        if self._rows is None or self._filled < self._rows.shape[0]:
+        """Queue the block's copy once it is full; True when its rows are on the host already (the CPU).
+
+        Called in the step that wrote the last row, so the block's stream is current and the whole
+        block is copied: no slice and no stream query (with a scheduler this runs every step).
+        """
+        rows = self._rows
+        if rows is None or self._filled < rows.shape[0]:
             return False
-        self.copy()
-        return self._pending is not None and self._pending[1] is None
+        self.receive()
+        self._send(rows)
+        return self._pending[1] is None
 
     def copy(self) -> None:
         """Queue the copy of the rows written so far (the last copy is read first); a new block starts."""
         if self._filled == 0:
             return
         self.receive()
-        rows, filled = self._rows[: self._filled], self._filled
         with self._on_stream():
-            pending = self._queue_copy(rows, filled) if rows.is_cuda else (rows, None)
-        # The block is let go only once its copy is queued: an error (out of memory, Ctrl-C) before then loses no row.
+            self._send(self._rows[: self._filled])
+
+    def _send(self, rows: torch.Tensor) -> None:
+        """Queue the copy of ``rows`` (the CPU's are on the host already), then let the block go.
+
+        Only once its copy is queued: an error (out of memory, Ctrl-C) before then loses no row.
+        """
+        pending = self._queue_copy(rows) if rows.is_cuda else (rows, None)
         self._pending, self._rows, self._views, self._filled = pending, None, (), 0
 
-    def _queue_copy(self, rows: torch.Tensor, filled: int) -> tuple[torch.Tensor, Any]:
-        """A non-blocking copy of ``rows`` into the pinned buffer, and an event after it, on the current stream."""
-        host = self._host
+    def _queue_copy(self, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A non-blocking copy of ``rows`` into the pinned buffer, and an event after it, on the current stream.
+
+        The buffer is made as tall as the first block copied (so a full block, the usual copy, needs
+        no slice of it) and made again for a taller one.
+        """
+        host, filled = self._host, rows.shape[0]
         if host is None or host.shape[0] < filled or host.shape[1:] != rows.shape[1:] or host.dtype != rows.dtype:
             with torch.inference_mode(False):
-                host = self._host = torch.empty((max(filled, VERDICTS_PER_COPY), rows.shape[1]), dtype=rows.dtype,
-                                                pin_memory=True)
+                host = self._host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             self._event = torch.cuda.Event()
-        host = host[:filled]
+        if host.shape[0] != filled:
+            host = host[:filled]
         host.copy_(rows, non_blocking=True)
         self._event.record()  # on the block's stream, current here
         return host, self._event

@@ -456,8 +456,12 @@ def test_to_device_keeps_what_is_already_there_and_moves_the_rest(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (calls.append(self.shape), real_to(self, *a, **k))[1])
     out = to_device({"x": x, "y": [y]}, cpu, cl)
     assert out["x"] is x and out["y"][0] is y
-    assert calls == [x.shape]  # the targets, already there with no layout to take, skip .to's argument parsing
+    assert calls == []  # already there and laid out: no .to and its argument parsing
+    both = torch.randn(2, 1, 4, 4)  # contiguous in both layouts: .to decides (the test below checks its strides)
+    pair = (both, y)
+    assert to_device(pair, cpu, cl)[1] is y and calls == [both.shape]
     monkeypatch.undo()
+    assert to_device(pair := (x, y), cpu, cl) is pair  # nothing moved: the same tuple
     z = torch.randn(2, 3, 4, 4)
     moved = to_device(z, cpu, cl)
     assert moved is not z and moved.is_contiguous(memory_format=cl) and torch.equal(moved, z)
@@ -607,14 +611,13 @@ class _SlowEvent:
 def test_an_interrupt_while_waiting_for_a_blocks_copy_loses_no_step(monkeypatch):
     from precisionloop.engine import _VerdictBlocks
 
-    copy = _VerdictBlocks.copy
+    send = _VerdictBlocks._send
 
-    def copy_in_flight(self):  # as on CUDA: the copy is on its way, booked at the next step
-        copy(self)
-        if self._pending is not None:
-            self._pending = (self._pending[0].clone(), _SlowEvent())
+    def send_in_flight(self, rows):  # as on CUDA: the copy is on its way, booked at the next step
+        send(self, rows)
+        self._pending = (self._pending[0].clone(), _SlowEvent())
 
-    monkeypatch.setattr(_VerdictBlocks, "copy", copy_in_flight)
+    monkeypatch.setattr(_VerdictBlocks, "_send", send_in_flight)
     _, _, trainer = _blocked()
     data = batches(6)
     for b in data[:4]:
