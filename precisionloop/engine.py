@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import os
 import warnings
 from typing import Any, Callable
 
@@ -197,7 +199,7 @@ class StepEngine:
         self.probe: Callable[[int], None] | None = None
         self.after_step: Callable[[], None] | None = None  # the policy's optimizer_step_hook, asked in configure
         # Verdicts per copy to the host (with no scheduler): on the CPU each step is booked at once.
-        self.verdicts_per_copy = VERDICTS_PER_COPY if device.type == "cuda" else 1
+        self._verdicts_per_copy = VERDICTS_PER_COPY if device.type == "cuda" else 1
         self._verdicts = _VerdictBlocks()
         self._limit_hit: tuple[int, int, float | None] | None = None  # the skip limit, reached in rows being booked
 
@@ -207,6 +209,17 @@ class StepEngine:
         self.after_step = policy.optimizer_step_hook(model)
         self.last_scale = guard.scale_value()
         self.stats.scale = self.last_scale
+
+    @property
+    def verdicts_per_copy(self) -> int:
+        """Optimizer steps whose verdicts reach the host in one copy when there is no scheduler (from the next block)."""
+        return self._verdicts_per_copy
+
+    @verdicts_per_copy.setter
+    def verdicts_per_copy(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"verdicts_per_copy must be an int of at least 1; got {value!r}")
+        self._verdicts_per_copy = value
 
     def params(self) -> list[nn.Parameter]:
         """The optimizer's parameters now: one added after construction is guarded and clipped too."""
@@ -286,7 +299,7 @@ class StepEngine:
             loss = loss.to(found_inf.device)
         parts = [found_inf, loss] + ([] if scale is None else [scale])
         # With a scheduler each step is booked before the next: the LR must follow real steps only.
-        height = 1 if self.scheduler is not None else self.verdicts_per_copy
+        height = 1 if self.scheduler is not None else self._verdicts_per_copy
         verdict = self._verdicts.write(parts, height).unbind()  # found_inf, loss (and scale) as views, in one call
         if scale is not None:
             self.last_scale = verdict[2]
@@ -356,7 +369,21 @@ class StepEngine:
             warnings.warn(
                 f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss scale is "
                 "collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train this model",
-                RuntimeWarning, stacklevel=6)
+                RuntimeWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning raised here at the first frame outside this package.
+
+    A row is booked from several depths (a step, a compiled step, ``trainer.stats``, ``save``,
+    ``fit``), so no fixed level names the user's line.
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    here = inspect.currentframe()  # None on Pythons without frames: then the caller's caller
+    frame, level = (here.f_back.f_back if here else None), 2  # level 1: the function calling warnings.warn
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class _VerdictBlocks:

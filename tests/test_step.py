@@ -181,12 +181,23 @@ def test_collapse_warning_given_once():
     data = batches(1)[0]
     trainer.step(data)
     trainer.step(data)  # scale 1.0: not yet below 1
-    with pytest.warns(RuntimeWarning, match="collapsing"):
+    with pytest.warns(RuntimeWarning, match="collapsing") as record:
         trainer.step(data)
+    assert record[0].filename == __file__  # the line that called step, not a line inside the package
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         trainer.step(data)
     assert trainer.stats.min_scale == 0.25
+
+
+def test_collapse_warning_names_the_callers_line_when_stats_books_it():
+    _, poison, trainer = _blocked(FP16Policy(init_scale=1.0))  # rows booked four at a time, or by stats
+    poison.armed = True
+    for b in batches(2):
+        trainer.step(b)  # scales 0.5 and 0.25: written, not yet booked
+    with pytest.warns(RuntimeWarning, match="collapsing") as record:
+        trainer.stats
+    assert record[0].filename == __file__
 
 
 def test_step_result_is_unscaled_undivided_loss():
@@ -489,6 +500,15 @@ def _blocked(precision="bf16", per_copy=4, **kw):
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", **kw)
     trainer.engine.verdicts_per_copy = per_copy
     return model, Poison(model[0].weight), trainer
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, None])
+def test_a_bad_verdicts_per_copy_is_refused_and_the_old_one_kept(bad):
+    _, _, trainer = _blocked()
+    with pytest.raises(ValueError, match=f"verdicts_per_copy must be an int of at least 1; got {bad!r}"):
+        trainer.engine.verdicts_per_copy = bad
+    assert trainer.engine.verdicts_per_copy == 4
+    trainer.step(batches(1)[0])  # still trains
 
 
 def _trainers_one_blocked(precision, **kw):
