@@ -130,14 +130,23 @@ def test_cuda_verdict_is_booked_by_stats_and_the_skip_limit_still_fires():
         _ = trainer.stats
 
 
-def _verdict_run(scheduled: bool, n: int = 40, per_copy: int | None = None):
-    """n fused bf16 steps on CUDA with NaN gradients at steps 5, 17 and 18 (1-based); the stats booked after each."""
+def _fused_trainer_with_nans(scheduled: bool = False):
+    """A bf16 Trainer on CUDA with fused SGD whose first layer's gradients are NaN while ``armed["on"]``.
+
+    Returns (model, armed, trainer); with ``scheduled``, a LambdaLR that lowers the LR each step.
+    """
     model = tiny_mlp()
     armed = {"on": False}
     model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if armed["on"] else g)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1 + k)) if scheduled else None
-    trainer = Trainer(model, optimizer, "bf16", device="cuda", scheduler=scheduler)
+    return model, armed, Trainer(model, optimizer, "bf16", device="cuda", scheduler=scheduler)
+
+
+def _verdict_run(scheduled: bool, n: int = 40, per_copy: int | None = None):
+    """n fused bf16 steps on CUDA with NaN gradients at steps 5, 17 and 18 (1-based); the stats booked after each."""
+    _, armed, trainer = _fused_trainer_with_nans(scheduled)
+    optimizer = trainer.optimizer
     if per_copy is not None:
         trainer.engine.verdicts_per_copy = per_copy
     data = [(x.cuda(), y.cuda()) for x, y in batches(n, seed=3)]
@@ -180,10 +189,7 @@ def test_cuda_a_scheduler_books_each_step_at_the_next_so_the_lr_follows_real_ste
 
 def _stream_run(streams):
     """Fused bf16 steps on CUDA, step i on streams[i % len] (None: the default); NaN gradients at steps 3, 6 and 7."""
-    model = tiny_mlp()
-    armed = {"on": False}
-    model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if armed["on"] else g)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True), "bf16", device="cuda")
+    model, armed, trainer = _fused_trainer_with_nans()
     data = [(x.cuda(), y.cuda()) for x, y in batches(40, seed=5)]
     torch.cuda.synchronize()
     results, last = [], torch.cuda.current_stream()
