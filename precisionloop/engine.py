@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import operator
 import os
 import warnings
 from typing import Any, Callable
@@ -148,10 +149,8 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
     if isinstance(batch, torch.Tensor):
         fmt = memory_format if batch.dim() == 4 and batch.is_floating_point() else torch.preserve_format
         if batch.device == device and (fmt is torch.preserve_format or (
-                batch.is_contiguous(memory_format=fmt) and not batch.is_contiguous())):
-            # What .to would return, without its argument parsing (microseconds a step). A tensor contiguous in
-            # both layouts is left to .to, which goes by the layout its strides suggest.
-            return batch
+                fmt is torch.channels_last and _exactly_channels_last(batch))):
+            return batch  # what .to would return, without its argument parsing (microseconds a step)
         return batch.to(device, non_blocking=device.type == "cuda", memory_format=fmt)
     if isinstance(batch, dict):
         moved = {k: to_device(v, device, memory_format) for k, v in batch.items()}
@@ -163,10 +162,24 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
             return moved
     if isinstance(batch, (list, tuple)):
         moved = [to_device(v, device, memory_format) for v in batch]
-        if isinstance(batch, tuple) and all(m is v for m, v in zip(moved, batch)):
-            return batch  # nothing moved: the same (immutable) tuple, not a copy of it
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+        if isinstance(batch, tuple):
+            if all(m is v for m, v in zip(moved, batch)):
+                return batch  # nothing moved: the same (immutable) tuple, not a copy of it
+            if hasattr(batch, "_fields"):
+                return type(batch)(*moved)  # a named tuple
+        return type(batch)(moved)
     return batch
+
+
+def _exactly_channels_last(t: torch.Tensor) -> bool:
+    """A 4-D tensor with channels_last's own strides, and not also contiguous: one ``.to(channels_last)`` returns as is.
+
+    ``.to`` goes by the layout the strides suggest, which differs from ``is_contiguous(channels_last)``
+    where dimensions of size 1 carry other strides; tensors contiguous in both layouts, or with
+    such strides, are left to it.
+    """
+    n, c, h, w = t.shape
+    return t.stride() == (h * w * c, 1, w * c, c) and not t.is_contiguous()
 
 
 class StepEngine:
@@ -217,9 +230,13 @@ class StepEngine:
 
     @verdicts_per_copy.setter
     def verdicts_per_copy(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        try:
+            count = operator.index(value) if not isinstance(value, bool) else 0  # any integer type, not a bool
+        except TypeError:
+            count = 0
+        if count < 1:
             raise ValueError(f"verdicts_per_copy must be an int of at least 1; got {value!r}")
-        self._verdicts_per_copy = value
+        self._verdicts_per_copy = count
 
     def params(self) -> list[nn.Parameter]:
         """The optimizer's parameters now: one added after construction is guarded and clipped too."""
@@ -416,6 +433,9 @@ class _VerdictBlocks:
         stream_id = _compat.current_stream_id(device)
         parts = [t if t.dim() == 0 else t.reshape(()) for t in parts]
         rows = self._rows
+        if rows is not None and self._filled == rows.shape[0]:  # full, yet not sent: its step's copy was interrupted
+            self.copy()
+            rows = None
         if rows is None and height == 1:  # a block of one (a scheduler, the CPU): one call makes and fills it
             row = torch.stack(parts)
             if row.dtype not in (torch.float32, torch.float64):  # promoted from the parts: fp64 only for a float64 loss
@@ -481,8 +501,8 @@ class _VerdictBlocks:
             self._event = torch.cuda.Event()
         if host.shape[0] != filled:
             host = host[:filled]
-        host.copy_(rows, non_blocking=True)
-        self._event.record()  # on the block's stream, current here
+        host.copy_(rows, non_blocking=True)  # on the current stream of the rows' device, the block's stream here
+        self._event.record(torch.cuda.current_stream(rows.device))  # there too, whichever device is current
         return host, self._event
 
     def receive(self) -> list[list[float]]:

@@ -215,6 +215,28 @@ def test_cuda_steps_on_side_streams_book_the_same_verdicts_as_on_one_stream():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference[0].parameters()))
 
 
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs; run on the two-GPU machine")
+def test_a_trainer_on_the_second_gpu_waits_for_its_blocks_copy_on_that_gpus_stream(monkeypatch):
+    # The copy runs on the rows' device's stream; an event recorded on the current device's (cuda:0) would not
+    # wait for it, and the rows could be read before they land.
+    recorded, record = [], torch.cuda.Event.record
+
+    def record_where(self, stream=None):
+        recorded.append(None if stream is None else stream.device)
+        return record(self, stream)
+
+    monkeypatch.setattr(torch.cuda.Event, "record", record_where)
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True), "bf16", device="cuda:1")
+    trainer.engine.verdicts_per_copy = 4
+    assert torch.cuda.current_device() == 0
+    for batch in batches(10):
+        trainer.step(batch)
+    assert trainer.stats.steps == 10 and trainer.stats.skipped == 0
+    assert recorded and set(recorded) == {torch.device("cuda", 1)}, recorded
+
 def test_compiled_with_cuda_graphs_matches_eager_and_still_skips():
     data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
     eager_model, graph_model = tiny_mlp(), tiny_mlp()

@@ -479,6 +479,35 @@ def test_to_device_keeps_what_is_already_there_and_moves_the_rest(monkeypatch):
     assert to_device(torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.device("meta"), cl).device.type == "meta"
 
 
+def test_to_device_returns_what_to_returns_for_every_permuted_layout_of_small_shapes():
+    # Strides on dimensions of size 1 make layouts ambiguous; .to goes by the layout the strides suggest, and
+    # to_device's shortcut (no .to for a batch already in channels_last) must agree with it on each of these.
+    import itertools
+
+    from precisionloop.engine import to_device
+
+    cl, cpu, checked = torch.channels_last, torch.device("cpu"), 0
+    for shape in itertools.product(range(4), repeat=4):
+        for order in itertools.permutations(range(4)):
+            x = torch.empty([shape[d] for d in order]).permute([order.index(d) for d in range(4)])
+            moved, expected = to_device(x, cpu, cl), x.to(memory_format=cl)
+            assert (moved is x) == (expected is x) and moved.stride() == expected.stride(), (shape, order, x.stride())
+            checked += 1
+    odd = torch.randn(8).as_strided((1, 2, 1, 2), (4, 1, 1, 2))  # a review's case: contiguous in channels_last, but .to copies
+    assert to_device(odd, cpu, cl) is not odd and checked == 256 * 24
+
+
+def test_to_device_rebuilds_a_list_subclass_with_a_fields_attribute_as_a_list():
+    from precisionloop.engine import to_device
+
+    class Fields(list):
+        _fields = ("x",)
+
+    batch = Fields([torch.zeros(2, 3, 4, 4)])  # NCHW: moved to channels_last, so the list is rebuilt
+    out = to_device(batch, torch.device("cpu"), torch.channels_last)
+    assert type(out) is Fields and out[0].is_contiguous(memory_format=torch.channels_last)
+
+
 @pytest.mark.parametrize("shape", [(4, 16, 1, 1), (2, 1, 5, 5), (2, 1, 5, 1)])
 def test_to_device_converts_layouts_whose_strides_fit_both(shape):
     # For these shapes a contiguous tensor also passes is_contiguous(channels_last); .to still converts it
@@ -502,13 +531,49 @@ def _blocked(precision="bf16", per_copy=4, **kw):
     return model, Poison(model[0].weight), trainer
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True, None])
+class _Eight:
+    """An integer type that is not int (as numpy's are): it has __index__."""
+
+    def __index__(self):
+        return 8
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, None, "4"])
 def test_a_bad_verdicts_per_copy_is_refused_and_the_old_one_kept(bad):
     _, _, trainer = _blocked()
     with pytest.raises(ValueError, match=f"verdicts_per_copy must be an int of at least 1; got {bad!r}"):
         trainer.engine.verdicts_per_copy = bad
     assert trainer.engine.verdicts_per_copy == 4
     trainer.step(batches(1)[0])  # still trains
+    trainer.engine.verdicts_per_copy = _Eight()
+    assert trainer.engine.verdicts_per_copy == 8 and type(trainer.engine.verdicts_per_copy) is int
+
+
+def test_an_interrupt_while_a_full_block_is_sent_loses_no_step_and_later_steps_train(monkeypatch):
+    from precisionloop.engine import _VerdictBlocks
+
+    send, interrupts = _VerdictBlocks._send, [1]
+
+    def send_interrupted_once(self, rows):
+        if interrupts:
+            interrupts.pop()
+            raise KeyboardInterrupt  # a Ctrl-C (or a failed pinned allocation) as the step sends its full block
+        send(self, rows)
+
+    monkeypatch.setattr(_VerdictBlocks, "_send", send_interrupted_once)
+    (ref_model, _, ref), (model, _, blocked) = _trainers_one_blocked("bf16")
+    data = batches(9)
+    for b in data[:3]:
+        blocked.step(b)
+    with pytest.raises(KeyboardInterrupt):
+        blocked.step(data[3])  # its optimizer step was taken; the block of 4 it filled was not sent
+    for b in data[4:]:
+        blocked.step(b)  # before: IndexError at every later step, after the weights had changed
+    for b in data:
+        ref.step(b)
+    assert blocked.global_step == blocked.stats.steps == ref.stats.steps == 9
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 def _trainers_one_blocked(precision, **kw):
