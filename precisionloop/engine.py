@@ -297,6 +297,7 @@ class StepEngine:
 
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
         """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update, ``after_step``."""
+        self._verdicts.copy_stranded()  # before anything changes, or this step would find no row to write
         self._book()  # the verdicts copied so far; with a scheduler, the last step's, so this step's LR is right
         params = self.params()
         grads = [g for p in params if (g := p.grad) is not None]  # .grad read once: ~0.1 us a parameter a step
@@ -433,9 +434,6 @@ class _VerdictBlocks:
         stream_id = _compat.current_stream_id(device)
         parts = [t if t.dim() == 0 else t.reshape(()) for t in parts]
         rows = self._rows
-        if rows is not None and self._filled == rows.shape[0]:  # full, yet not sent: its step's copy was interrupted
-            self.copy()
-            rows = None
         if rows is None and height == 1:  # a block of one (a scheduler, the CPU): one call makes and fills it
             row = torch.stack(parts)
             if row.dtype not in (torch.float32, torch.float64):  # promoted from the parts: fp64 only for a float64 loss
@@ -471,6 +469,11 @@ class _VerdictBlocks:
         self.receive()
         self._send(rows)
         return self._pending[1] is None
+
+    def copy_stranded(self) -> None:
+        """Queue the copy of a full block that was never sent: an interrupt stopped its step before ``copy_if_full``."""
+        if self._rows is not None and self._filled == self._rows.shape[0]:
+            self.copy()
 
     def copy(self) -> None:
         """Queue the copy of the rows written so far (the last copy is read first); a new block starts."""

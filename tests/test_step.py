@@ -552,23 +552,27 @@ def test_a_bad_verdicts_per_copy_is_refused_and_the_old_one_kept(bad):
 def test_an_interrupt_while_a_full_block_is_sent_loses_no_step_and_later_steps_train(monkeypatch):
     from precisionloop.engine import _VerdictBlocks
 
-    send, interrupts = _VerdictBlocks._send, [1]
+    send, interrupts = _VerdictBlocks._send, [1, 2]
 
-    def send_interrupted_once(self, rows):
+    def send_interrupted(self, rows):
         if interrupts:
             interrupts.pop()
-            raise KeyboardInterrupt  # a Ctrl-C (or a failed pinned allocation) as the step sends its full block
+            raise KeyboardInterrupt  # a Ctrl-C (or a failed pinned allocation) as the block is sent
         send(self, rows)
 
-    monkeypatch.setattr(_VerdictBlocks, "_send", send_interrupted_once)
+    monkeypatch.setattr(_VerdictBlocks, "_send", send_interrupted)
     (ref_model, _, ref), (model, _, blocked) = _trainers_one_blocked("bf16")
     data = batches(9)
     for b in data[:3]:
         blocked.step(b)
     with pytest.raises(KeyboardInterrupt):
         blocked.step(data[3])  # its optimizer step was taken; the block of 4 it filled was not sent
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(KeyboardInterrupt):
+        blocked.step(data[4])  # interrupted again, sending that block at its optimizer step's start: nothing changed
+    assert blocked.global_step == 4 and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     for b in data[4:]:
-        blocked.step(b)  # before: IndexError at every later step, after the weights had changed
+        blocked.step(b)  # before the fix: IndexError at every later step, after the weights had changed
     for b in data:
         ref.step(b)
     assert blocked.global_step == blocked.stats.steps == ref.stats.steps == 9
