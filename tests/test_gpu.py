@@ -215,7 +215,6 @@ def test_cuda_steps_on_side_streams_book_the_same_verdicts_as_on_one_stream():
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference[0].parameters()))
 
 
-
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="needs two CUDA GPUs; run on the two-GPU machine")
 def test_a_trainer_on_the_second_gpu_waits_for_its_blocks_copy_on_that_gpus_stream(monkeypatch):
@@ -236,6 +235,7 @@ def test_a_trainer_on_the_second_gpu_waits_for_its_blocks_copy_on_that_gpus_stre
         trainer.step(batch)
     assert trainer.stats.steps == 10 and trainer.stats.skipped == 0
     assert recorded and set(recorded) == {torch.device("cuda", 1)}, recorded
+
 
 def test_compiled_with_cuda_graphs_matches_eager_and_still_skips():
     data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
