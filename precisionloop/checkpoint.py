@@ -286,6 +286,7 @@ def restore_trainer(trainer, state: dict) -> None:
     engine.consecutive_skips = counters["consecutive_skips"]
     engine.collapse_warned = counters["collapse_warned"]
     engine.stats = type(engine.stats)(**state["stats"])
+    engine.last_loss = None  # the replaced run's last loss (the progress bar's) is not this one's
     engine.last_scale = engine.guard.scale_value()
     if engine.last_scale is not None:
         engine.stats.scale = engine.last_scale

@@ -288,17 +288,55 @@ class StepEngine:
             ) from e
 
     def flush(self) -> StepResult | None:
-        """The optimizer step for an incomplete window, its gradients averaged over the micro-batches it holds."""
+        """The optimizer step for an incomplete window, its gradients averaged over the micro-batches it holds.
+
+        As in :meth:`step`, an exception discards the window: a retry never steps twice on it.
+        """
         if self.micro == 0:
             return None
-        if self.unsynced:
-            _dist.average_gradients(self.model, self.params())
-        return self.optimizer_step(torch.full((), float("nan"), dtype=torch.float32, device=self.device))
+        try:
+            # Outside inference mode: a first step would make optimizer state that later steps could not update.
+            with torch.inference_mode(False):
+                if self.unsynced:
+                    _dist.average_gradients(self.model, self.params())
+                return self.optimizer_step(torch.full((), float("nan"), dtype=torch.float32, device=self.device))
+        except BaseException:
+            self.discard_window()
+            raise
 
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
         """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update, ``after_step``."""
         self._verdicts.copy_stranded()  # before anything changes, or this step would find no row to write
         self._book()  # the verdicts copied so far; with a scheduler, the last step's, so this step's LR is right
+        found_inf, grad_norm = self._unscale_and_clip()
+        self.guard.step(self.optimizer, found_inf)
+        written = self._verdicts.written
+        try:
+            self.guard.update()
+            scale = self.guard.scale_tensor()
+            if loss.device != found_inf.device:
+                loss = loss.to(found_inf.device)
+            parts = [found_inf, loss] + ([] if scale is None else [scale])
+            # With a scheduler each step is booked before the next: the LR must follow real steps only.
+            height = 1 if self.scheduler is not None else self._verdicts_per_copy
+            row = self._verdicts.write(parts, height)
+        finally:  # the weights may have changed: the step counts, whatever was raised
+            self.micro, self.unsynced = 0, False
+            self.global_step += 1
+            if self._verdicts.written == written:  # no row: read this step's verdict now
+                self._verdict_on_host(found_inf, loss)
+        verdict = row.unbind()  # found_inf, loss (and scale) as views, in one call
+        if scale is not None:
+            self.last_scale = verdict[2]
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._verdicts.copy_if_full():  # on the CPU the copy is the rows themselves: book them now
+            self._book()
+        if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales)
+            self.after_step()
+        return StepResult(verdict[1], due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
+
+    def _unscale_and_clip(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Unscale and check the gradients, rescale a partial window, probe, clip: (found_inf, grad_norm)."""
         params = self.params()
         grads = [g for p in params if (g := p.grad) is not None]  # .grad read once: ~0.1 us a parameter a step
         found_inf = self.guard.unscale_(self.optimizer, grads)
@@ -310,25 +348,17 @@ class StepEngine:
         if self.max_grad_norm is not None:
             grad_norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.guard.step(self.optimizer, found_inf)
-        self.guard.update()
-        scale = self.guard.scale_tensor()
-        if loss.device != found_inf.device:
-            loss = loss.to(found_inf.device)
-        parts = [found_inf, loss] + ([] if scale is None else [scale])
-        # With a scheduler each step is booked before the next: the LR must follow real steps only.
-        height = 1 if self.scheduler is not None else self._verdicts_per_copy
-        verdict = self._verdicts.write(parts, height).unbind()  # found_inf, loss (and scale) as views, in one call
-        if scale is not None:
-            self.last_scale = verdict[2]
-        self.optimizer.zero_grad(set_to_none=True)
-        self.micro, self.unsynced = 0, False
-        self.global_step += 1
-        if self._verdicts.copy_if_full():  # on the CPU the copy is the rows themselves: book them now
-            self._book()
-        if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales)
-            self.after_step()
-        return StepResult(verdict[1], due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
+        return found_inf, grad_norm
+
+    def _verdict_on_host(self, found_inf: torch.Tensor, loss: torch.Tensor) -> None:
+        """The verdict of a step whose row was not written (an error after its optimizer step), read now.
+
+        An error path, so a sync is fine; if the read fails too, the step stays counted in
+        ``global_step`` but not in ``stats`` (the first error is the one raised).
+        """
+        with contextlib.suppress(Exception):
+            scale = self.guard.scale_value()
+            self._verdicts.add_on_host([float(found_inf), float(loss)] + ([] if scale is None else [scale]))
 
     def discard_window(self) -> None:
         """Drop the gradients of an open accumulation window (after an error, or on load)."""
@@ -356,13 +386,15 @@ class StepEngine:
     def _book(self) -> None:
         """Book the verdicts on the host or copied there, waiting for that copy only, not for work queued since.
 
-        One row at a time, each taken off the queue as it is booked: an error or an interrupt in
-        between leaves the rest for the next call, never books a row twice. A row whose booking
-        raised (its scheduler's step, say) counts as booked.
+        One row at a time, taken off the queue once its counters are set and before what it sets
+        off (the scheduler's step, the collapse warning) runs: an error or an interrupt leaves the
+        rest for the next call and never counts a row twice. A row whose follow-up raised counts as booked.
         """
         unread = self._verdicts.receive()
         while unread:
-            self._record(unread.pop(0))
+            skipped, scale = self._count(unread[0])
+            unread.pop(0)  # counted: never counted again, even if what follows raises
+            self._follow(skipped, scale)
         if self._limit_hit is not None:
             (skips, step, scale), self._limit_hit = self._limit_hit, None
             raise RuntimeError(
@@ -370,18 +402,23 @@ class StepEngine:
                 f"loss scale {scale}); the loss or the model diverged. "
                 "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'")
 
-    def _record(self, values: list[float]) -> None:
+    def _count(self, values: list[float]) -> tuple[bool, float | None]:
+        """A row's counters (no user code runs here): stats, the skip run, the skip limit; (skipped, scale)."""
         skipped, self.last_loss, scale = bool(values[0]), values[1], (values[2] if len(values) > 2 else None)
         self.stats._record(skipped, scale)
         if not skipped:
             self.consecutive_skips = 0
-            if self.scheduler is not None:
-                self.scheduler.step()
         else:
             self.consecutive_skips += 1
             # Raised once the rows read with it are booked, so the counters stay whole.
             if self.consecutive_skips >= self.max_consecutive_skips and self._limit_hit is None:
                 self._limit_hit = (self.consecutive_skips, self.stats.steps, scale)
+        return skipped, scale
+
+    def _follow(self, skipped: bool, scale: float | None) -> None:
+        """What a counted row sets off: the scheduler's step for a step taken, the collapse warning."""
+        if not skipped and self.scheduler is not None:
+            self.scheduler.step()
         if scale is not None and scale < 1 and not self.collapse_warned:
             self.collapse_warned = True
             warnings.warn(
@@ -423,6 +460,7 @@ class _VerdictBlocks:
         self._host: torch.Tensor | None = None  # the pinned buffer, reused: a copy is read before the next is queued
         self._event: Any = None
         self.unread: list[list[float]] = []  # rows on the host, not yet booked
+        self.written = 0  # rows written, ever: tells the engine whether a step's write got that far
 
     def write(self, parts: list[torch.Tensor], height: int) -> torch.Tensor:
         """Stack ``parts`` into the next row of this block (of ``height`` rows) and return the row.
@@ -440,6 +478,7 @@ class _VerdictBlocks:
                 row = row.float()
             self._rows, self._views, self._filled = row.unsqueeze(0), (row,), 1
             self._device, self._stream_id = device, stream_id
+            self.written += 1
             return row
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
         if rows is None or rows.dtype != dtype or rows.shape[1] != len(parts) or stream_id != self._stream_id:
@@ -455,6 +494,7 @@ class _VerdictBlocks:
         row = self._views[self._filled]
         torch.stack(parts, out=row)
         self._filled += 1
+        self.written += 1
         return row
 
     def copy_if_full(self) -> bool:
@@ -469,6 +509,15 @@ class _VerdictBlocks:
         self.receive()
         self._send(rows)
         return self._pending[1] is None
+
+    def add_on_host(self, values: list[float]) -> None:
+        """Queue a row read on the host (a step whose row was not written), after every row written before it."""
+        self.receive()
+        if self._filled:
+            with self._on_stream():
+                self.unread += self._rows[: self._filled].tolist()
+            self._rows, self._views, self._filled = None, (), 0
+        self.unread.append(values)
 
     def copy_stranded(self) -> None:
         """Queue the copy of a full block that was never sent: an interrupt stopped its step before ``copy_if_full``."""

@@ -156,6 +156,22 @@ def _step(trainer, batch: Any):
     return result
 
 
+def _flush(trainer):
+    """``trainer.flush`` at the epoch's end; if it fails before its optimizer step, the window it dropped is replayed.
+
+    The engine discards the window on any error; when no step was taken, the epoch's position
+    moves back to the window's first batch, so a later ``fit`` trains those batches again.
+    """
+    engine, state = trainer.engine, trainer.loop_state
+    window, before = engine.micro, engine.global_step
+    try:
+        return trainer.flush()
+    except BaseException:
+        if engine.global_step == before:
+            state.batch_in_epoch -= window
+        raise
+
+
 def _run_epoch(trainer, loader: Iterable, plan: FitPlan) -> dict:
     engine, state = trainer.engine, trainer.loop_state
     # trainer.stats books the steps taken before this epoch (it may raise their skip limit: before anything opens),
@@ -188,7 +204,7 @@ def _run_epoch(trainer, loader: Iterable, plan: FitPlan) -> dict:
                 complete = total is not None and state.batch_in_epoch >= total  # stopped on the last batch
                 break
         else:
-            result = trainer.flush()
+            result = _flush(trainer)
             if result is not None:
                 _after_step(trainer, result, plan)
     if complete:

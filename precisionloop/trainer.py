@@ -232,7 +232,8 @@ class Trainer:
 
         The window's gradients are rescaled to the mean over the micro-batches it
         holds, as if the accumulated batch had simply been smaller. The result's
-        ``loss`` is NaN: no micro-batch ran in this call.
+        ``loss`` is NaN: no micro-batch ran in this call. As with ``step``, an
+        exception (a Ctrl-C too) discards the window, so a retry never steps on it twice.
         """
         with self._backend_flags():
             return self.engine.flush()

@@ -448,3 +448,33 @@ def test_a_skip_limit_reached_before_fit_raises_before_the_loader_is_opened():
     with pytest.raises(RuntimeError, match="3 optimizer steps in a row"):
         trainer.fit(Loader(), epochs=1, progress=False)
     assert not Loader.opened and trainer.global_step == 3
+
+
+def test_a_failed_end_of_epoch_flush_is_replayed_by_the_next_fit(monkeypatch):
+    # The last window is partial, so the epoch ends with flush(); an interrupt before its optimizer update drops
+    # the window, and the next fit must train those batches again rather than resume past them.
+    data = [(x, y) for x, y in batches(5)]
+
+    def make():
+        model = tiny_mlp()
+        return model, Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu",
+                              grad_accum_steps=2, max_grad_norm=1e9)
+
+    ref_model, ref = make()
+    ref.fit(data, epochs=1, progress=False)
+    model, trainer = make()
+    clip, calls = nn.utils.clip_grad_norm_, []
+
+    def clip_failing_in_the_flush(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # steps 1 and 2 are windows of two; the third is the flush of batch 5
+            raise KeyboardInterrupt
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(nn.utils, "clip_grad_norm_", clip_failing_in_the_flush)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(data, epochs=1, progress=False)
+    assert trainer.global_step == 2 and trainer.loop_state.batch_in_epoch == 4
+    trainer.fit(data, epochs=1, progress=False)
+    assert trainer.global_step == ref.global_step == 3 and trainer.epoch == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))

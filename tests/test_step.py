@@ -751,3 +751,120 @@ def test_a_new_policy_books_the_old_guards_verdicts_first():
     assert trainer.stats.steps == 2 and trainer.stats.scale is None
     trainer.step(batches(1)[0])
     assert trainer.stats.steps == 3 and trainer.stats.scale is None
+
+
+# Errors and interrupts between a step's optimizer update and the end of its bookkeeping (a hostile probe's finds).
+
+def _interrupt_once(monkeypatch, owner, name, after=False):
+    """Make ``owner.name`` raise KeyboardInterrupt on its first call (before it runs, or after it returned)."""
+    real, fired = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        if not fired and not after:
+            fired.append(1)
+            raise KeyboardInterrupt
+        out = real(*args, **kwargs)
+        if not fired:
+            fired.append(1)
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+def _adamw_scheduled():
+    model = tiny_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.5 ** e)
+    return model, optimizer, Trainer(model, optimizer, "bf16", device="cpu", scheduler=scheduler)
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_an_interrupt_after_the_optimizer_update_still_counts_the_step_everywhere(monkeypatch, after):
+    from precisionloop.engine import _VerdictBlocks
+
+    model, optimizer, trainer = _adamw_scheduled()
+    _interrupt_once(monkeypatch, _VerdictBlocks, "write", after=after)  # before or after the step's row is written
+    b = batches(1)[0]
+    with pytest.raises(KeyboardInterrupt):
+        trainer.step(b)  # the weights were updated: the step happened
+    trainer.step(b)  # the user retries the batch
+    updates = int(optimizer.state[model[0].weight]["step"])
+    assert updates == trainer.global_step == trainer.stats.steps == trainer.scheduler.last_epoch == 2
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 2)
+
+
+def test_a_flush_interrupted_after_its_update_is_not_stepped_again(monkeypatch):
+    from precisionloop.engine import _VerdictBlocks
+
+    def make():
+        model = tiny_mlp()
+        return model, Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", grad_accum_steps=2)
+
+    b = batches(1)[0]
+    ref_model, ref = make()
+    ref.step(b)
+    ref.flush()
+    model, trainer = make()
+    trainer.step(b)
+    _interrupt_once(monkeypatch, _VerdictBlocks, "write")
+    with pytest.raises(KeyboardInterrupt):
+        trainer.flush()
+    assert trainer.flush() is None  # the window was stepped and dropped: before, a second step on the same gradients
+    assert trainer.global_step == trainer.stats.steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_flush_interrupted_before_its_update_drops_the_window_and_the_next_one_trains(monkeypatch, precision):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", grad_accum_steps=4,
+                      max_grad_norm=1e9)
+    data = batches(3)
+    trainer.step(data[0])
+    before = [p.detach().clone() for p in model.parameters()]
+    _interrupt_once(monkeypatch, nn.utils, "clip_grad_norm_")  # after unscale_ and the partial window's rescale
+    with pytest.raises(KeyboardInterrupt):
+        trainer.flush()
+    assert trainer.engine.micro == 0 and trainer.flush() is None and trainer.global_step == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    trainer.step(data[1])  # fp16: before, the scaler still held the dropped window's unscale_ and raised here
+    assert trainer.flush().stepped and trainer.global_step == trainer.stats.steps == 1
+
+
+def test_an_interrupt_as_a_row_starts_to_be_booked_loses_no_row(monkeypatch):
+    from precisionloop.engine import TrainStats
+
+    _, _, trainer = _blocked(per_copy=1)
+    data = batches(3)
+    trainer.step(data[0])
+    _interrupt_once(monkeypatch, TrainStats, "_record")  # the next booking: before, the row was taken off first
+    with pytest.raises(KeyboardInterrupt):
+        trainer.step(data[1])
+    trainer.step(data[1])
+    assert trainer.global_step == trainer.stats.steps == 3
+
+
+def test_a_first_optimizer_step_flushed_under_inference_mode_leaves_state_later_steps_can_update():
+    model = tiny_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = Trainer(model, optimizer, "bf16", device="cpu", grad_accum_steps=2)
+    data = batches(3)
+    trainer.step(data[0])
+    with torch.inference_mode():
+        assert trainer.flush().stepped
+    assert not optimizer.state[model[0].weight]["momentum_buffer"].is_inference()
+    for b in data[1:]:
+        trainer.step(b)  # before: "Inplace update to inference tensor outside InferenceMode"
+    assert trainer.global_step == 2
+
+
+def test_a_load_forgets_the_replaced_runs_last_loss(tmp_path):
+    _, _, trainer = _blocked(per_copy=1)
+    data = batches(3)
+    trainer.step(data[0])
+    trainer.save(tmp_path / "one.pt")
+    trainer.step(data[1])
+    assert trainer.engine.last_loss is not None
+    trainer.load(tmp_path / "one.pt")
+    assert trainer.engine.last_loss is None  # the progress bar shows "-" until this run books a step
