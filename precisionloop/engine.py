@@ -310,7 +310,7 @@ class StepEngine:
         self._book()  # the verdicts copied so far; with a scheduler, the last step's, so this step's LR is right
         found_inf, grad_norm = self._unscale_and_clip()
         self.guard.step(self.optimizer, found_inf)
-        written = self._verdicts.written
+        written, done = self._verdicts.written, False
         try:
             self.guard.update()
             scale = self.guard.scale_tensor()
@@ -319,20 +319,21 @@ class StepEngine:
             parts = [found_inf, loss] + ([] if scale is None else [scale])
             # With a scheduler each step is booked before the next: the LR must follow real steps only.
             height = 1 if self.scheduler is not None else self._verdicts_per_copy
-            row = self._verdicts.write(parts, height)
+            verdict = self._verdicts.write(parts, height).unbind()  # found_inf, loss (and scale) as views, in one call
+            if scale is not None:
+                self.last_scale = verdict[2]
+            done = True
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced = 0, False
             self.global_step += 1
-            if self._verdicts.written == written:  # no row: read this step's verdict now
-                self._verdict_on_host(found_inf, loss)
-        verdict = row.unbind()  # found_inf, loss (and scale) as views, in one call
-        if scale is not None:
-            self.last_scale = verdict[2]
+            if not done:
+                self._after_failed_update(found_inf, loss, wrote=self._verdicts.written != written)
         self.optimizer.zero_grad(set_to_none=True)
-        if self._verdicts.copy_if_full():  # on the CPU the copy is the rows themselves: book them now
-            self._book()
+        on_host = self._verdicts.copy_if_full()  # on the CPU the copy is the rows themselves, booked below
         if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales)
             self.after_step()
+        if on_host:  # after the follow-up: a skip limit raised here must not leave the new weights without it
+            self._book()
         return StepResult(verdict[1], due=True, found_inf=verdict[0], scale=self.last_scale, grad_norm=grad_norm)
 
     def _unscale_and_clip(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -350,15 +351,19 @@ class StepEngine:
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         return found_inf, grad_norm
 
-    def _verdict_on_host(self, found_inf: torch.Tensor, loss: torch.Tensor) -> None:
-        """The verdict of a step whose row was not written (an error after its optimizer step), read now.
+    def _after_failed_update(self, found_inf: torch.Tensor, loss: torch.Tensor, wrote: bool) -> None:
+        """After an error past a step's optimizer update: the loss scale brought up to date, and the step's verdict
+        read on the host now if its row was not written.
 
-        An error path, so a sync is fine; if the read fails too, the step stays counted in
-        ``global_step`` but not in ``stats`` (the first error is the one raised).
+        An error path, so syncs are fine. A second error or Ctrl-C here is swallowed, so the first
+        one is the one raised; the step then stays counted in ``global_step`` but may be missing from ``stats``.
         """
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception, KeyboardInterrupt):
             scale = self.guard.scale_value()
-            self._verdicts.add_on_host([float(found_inf), float(loss)] + ([] if scale is None else [scale]))
+            if scale is not None:
+                self.last_scale = scale
+            if not wrote:
+                self._verdicts.add_on_host([float(found_inf), float(loss)] + ([] if scale is None else [scale]))
 
     def discard_window(self) -> None:
         """Drop the gradients of an open accumulation window (after an error, or on load)."""
@@ -388,7 +393,8 @@ class StepEngine:
 
         One row at a time, taken off the queue once its counters are set and before what it sets
         off (the scheduler's step, the collapse warning) runs: an error or an interrupt leaves the
-        rest for the next call and never counts a row twice. A row whose follow-up raised counts as booked.
+        rest for the next call. A row whose follow-up raised counts as booked, its scheduler step
+        lost. Only a Ctrl-C in the instant between a row's count and its removal counts it twice.
         """
         unread = self._verdicts.receive()
         while unread:

@@ -868,3 +868,72 @@ def test_a_load_forgets_the_replaced_runs_last_loss(tmp_path):
     assert trainer.engine.last_loss is not None
     trainer.load(tmp_path / "one.pt")
     assert trainer.engine.last_loss is None  # the progress bar shows "-" until this run books a step
+
+
+def test_the_scale_a_result_reports_is_current_after_a_step_interrupted_past_its_update(monkeypatch):
+    from precisionloop.engine import _VerdictBlocks
+
+    def make():
+        model = tiny_mlp()
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(init_scale=4.0, growth_interval=1),
+                       device="cpu", grad_accum_steps=2)
+
+    b = batches(1)[0]
+    ref, trainer = make(), make()
+    ref.step(b)
+    ref.step(b)  # one optimizer step: the scale grows from 4 to 8
+    trainer.step(b)
+    _interrupt_once(monkeypatch, _VerdictBlocks, "write", after=True)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.step(b)
+    assert trainer.step(b).scale == ref.step(b).scale == 8.0  # a micro-batch that does not step; before: 4.0
+
+
+def test_a_second_interrupt_while_reading_a_failed_steps_verdict_does_not_replace_the_first_error(monkeypatch):
+    from precisionloop.engine import _VerdictBlocks
+
+    _, _, trainer = _blocked(per_copy=1)
+    write, add = _VerdictBlocks.write, []
+
+    def write_failing(self, parts, height):
+        raise ValueError("the first error")
+
+    def add_interrupted(self, values):
+        add.append(values)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_VerdictBlocks, "write", write_failing)
+    monkeypatch.setattr(_VerdictBlocks, "add_on_host", add_interrupted)
+    try:
+        trainer.step(batches(1)[0])
+    except ValueError as e:
+        assert "the first error" in str(e)
+    except KeyboardInterrupt:  # caught here, or it would stop the test session
+        pytest.fail("the interrupt in the verdict's read replaced the step's first error")
+    else:
+        pytest.fail("the step's error was lost")
+    assert add and trainer.global_step == 1
+    monkeypatch.setattr(_VerdictBlocks, "write", write)
+    trainer.step(batches(1)[0])
+    assert trainer.global_step == 2
+
+
+def test_the_policys_follow_up_runs_after_a_step_whose_booking_raised():
+    class Flaky(torch.optim.lr_scheduler.LambdaLR):
+        def step(self, *args, **kwargs):
+            if self.last_epoch == 1:
+                self.last_epoch += 1  # this scheduler step counts, then its user code fails
+                raise ValueError("scheduler bug")
+            return super().step(*args, **kwargs)
+
+    model = tiny_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, optimizer, "bf16", device="cpu", scheduler=Flaky(optimizer, lambda e: 1.0))
+    hooks = []
+    trainer.engine.after_step = lambda: hooks.append(trainer.global_step)  # as a policy's optimizer_step_hook
+    data = batches(3)
+    trainer.step(data[0])
+    with pytest.raises(ValueError, match="scheduler bug"):
+        trainer.step(data[1])  # on the CPU the step is booked at its end, after its follow-up
+    trainer.step(data[2])
+    assert hooks == [1, 2, 3] and trainer.global_step == trainer.stats.steps == 3
