@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/loop_cost.py --json loop_cost.json
     PYTHONPATH=. python benchmarks/loop_cost.py --before path/to/old/precisionloop   # also an older copy, same process
     PYTHONPATH=. python benchmarks/loop_cost.py --profile                            # where the host time goes
+    PYTHONPATH=. python benchmarks/loop_cost.py --graph-step   # also graph_optimizer_step=True (step+graph, fit+graph)
 
 For each configuration (model, batch, optimizer, eager or compiled) three systems train the same
 model on the same GPU-resident batch: the hand loop (autocast, backward, optimizer step, no skip
@@ -77,11 +78,12 @@ def _hand(config: Config, args) -> Run:
     return Run(step, context=precisionloop.get_policy(config.precision).backend_flags)
 
 
-def _trainer(package, config: Config, args, fit: bool) -> Run:
+def _trainer(package, config: Config, args, fit: bool, graph: bool = False) -> Run:
     model = bench.build_model(args.model)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters())
+    extra = {"graph_optimizer_step": True} if graph else {}  # an older package may not know the argument
     trainer = package.Trainer(model, optimizer, config.precision, device=args.device, compile=config.compile,
-                              distributed=None)
+                              distributed=None, **extra)
     batch = trainer.to_device(bench.random_batch(config.batch_size, args.image_size, args.device))
     if not fit:
         return Run(lambda: trainer.step(batch))
@@ -106,6 +108,8 @@ def _hand_epoch(config: Config, args) -> Run:
 
 def step_systems(config: Config, args, before) -> dict:
     out = {"hand": lambda: _hand(config, args), "step": lambda: _trainer(precisionloop, config, args, False)}
+    if args.graph_step:
+        out["step+graph"] = lambda: _trainer(precisionloop, config, args, False, graph=True)
     if before is not None:
         out["step-before"] = lambda: _trainer(before, config, args, False)
     return out
@@ -113,6 +117,8 @@ def step_systems(config: Config, args, before) -> dict:
 
 def fit_systems(config: Config, args, before) -> dict:
     out = {"hand": lambda: _hand_epoch(config, args), "fit": lambda: _trainer(precisionloop, config, args, True)}
+    if args.graph_step:
+        out["fit+graph"] = lambda: _trainer(precisionloop, config, args, True, graph=True)
     if before is not None:
         out["fit-before"] = lambda: _trainer(before, config, args, True)
     return out
@@ -182,6 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
+    p.add_argument("--graph-step", action="store_true",
+                   help="also time Trainer.step and fit with graph_optimizer_step=True (step+graph, fit+graph)")
+    p.add_argument("--no-fit", action="store_true", help="time the step systems only")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the hand loop and Trainer.step (and --before's) for the first configuration")
     p.add_argument("--profile-fit", action="store_true", help="cProfile Trainer.fit epochs for the first configuration")
@@ -202,8 +211,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print("\n".join(profiles(config, args, before, fit=fit)), flush=True)
         timings = interleaved(step_systems(config, args, before), rounds=args.rounds, iters=args.iters,
                               warmup=args.warmup, device=args.device, blocks=min(args.blocks, args.iters))
-        fits = interleaved(fit_systems(config, args, before), rounds=args.rounds, iters=args.fit_epochs, warmup=2,
-                           device=args.device, blocks=min(args.blocks, args.fit_epochs))
+        fits = {} if args.no_fit else interleaved(fit_systems(config, args, before), rounds=args.rounds,
+                                                  iters=args.fit_epochs, warmup=2, device=args.device,
+                                                  blocks=min(args.blocks, args.fit_epochs))
         for name, m in fits.items():  # per-epoch times to per-step times
             m.rounds_ms = [t / args.fit_steps for t in m.rounds_ms]
             timings["hand (epochs)" if name == "hand" else name] = m

@@ -139,3 +139,44 @@ def dense_values(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's stored values: itself when dense, its non-zero values when sparse, its local shard under FSDP2."""
     g = grad._values() if grad.is_sparse else grad
     return g.to_local() if hasattr(g, "to_local") else g
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy each ``src`` tensor into its ``dst`` tensor, in as few kernels as torch can."""
+    torch._foreach_copy_(dst, src)
+
+
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.step`` runs hooks: the optimizer's own step hooks or torch's global ones."""
+    from torch.optim import optimizer as module
+
+    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or module._global_optimizer_pre_hooks or module._global_optimizer_post_hooks)
+
+
+class capturable_groups:
+    """Inside the block, every param group says ``capturable=True``, as Adam and AdamW require under CUDA graph capture.
+
+    Their fused kernels ignore the flag (they keep the step count on the device either way), so only
+    the check in ``step`` sees it; the groups' own values come back on exit.
+    """
+
+    __slots__ = ("_optimizer", "_saved")
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self._optimizer = optimizer
+
+    def __enter__(self) -> None:
+        self._saved = [g.get("capturable", _ABSENT) for g in self._optimizer.param_groups]
+        for g in self._optimizer.param_groups:
+            g["capturable"] = True
+
+    def __exit__(self, *exc) -> None:
+        for g, value in zip(self._optimizer.param_groups, self._saved):
+            if value is _ABSENT:
+                del g["capturable"]
+            else:
+                g["capturable"] = value
+
+
+_ABSENT = object()

@@ -23,6 +23,7 @@ from torch import nn
 
 from . import _compat, fp32_modules
 from . import distributed as _dist
+from .captured import CapturedStep
 from .guard import GradientGuard
 from .policy import PrecisionPolicy
 
@@ -193,7 +194,8 @@ class StepEngine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
                  loss_of: Callable[[Any], torch.Tensor], scheduler: Any, grad_accum_steps: int,
-                 max_grad_norm: float | None, max_consecutive_skips: int, distributed: str | None):
+                 max_grad_norm: float | None, max_consecutive_skips: int, distributed: str | None,
+                 graph_optimizer_step: bool = False):
         self.model, self.optimizer, self.device = model, optimizer, device
         self.loss_of, self.scheduler, self.distributed = loss_of, scheduler, distributed
         self.grad_accum_steps, self.max_grad_norm, self.max_consecutive_skips = grad_accum_steps, max_grad_norm, max_consecutive_skips
@@ -215,11 +217,14 @@ class StepEngine:
         self._verdicts_per_copy = VERDICTS_PER_COPY if device.type == "cuda" else 1
         self._verdicts = _VerdictBlocks()
         self._limit_hit: tuple[int, int, float | None] | None = None  # the skip limit, reached in rows being booked
+        self.graph_optimizer_step = graph_optimizer_step  # checked by the Trainer (captured.check_graphable)
+        self.captured: CapturedStep | None = None  # the step's CUDA graph, made anew in configure
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
         self.model, self.policy, self.guard, self.compile_mode = model, policy, guard, mode
         self.after_step = policy.optimizer_step_hook(model)
+        self.captured = CapturedStep(self.optimizer) if self.graph_optimizer_step else None
         self.last_scale = guard.scale_value()
         self.stats.scale = self.last_scale
 
@@ -308,8 +313,12 @@ class StepEngine:
         """Unscale and check, rescale a partial window, probe, clip, step under the verdict, update, ``after_step``."""
         self._verdicts.copy_stranded()  # before anything changes, or this step would find no row to write
         self._book()  # the verdicts copied so far; with a scheduler, the last step's, so this step's LR is right
-        found_inf, grad_norm = self._unscale_and_clip()
-        self.guard.step(self.optimizer, found_inf)
+        found_inf = self._replay() if self.captured is not None else None
+        if found_inf is None:  # the eager step: no graph, or one this step cannot take
+            found_inf, grad_norm = self._unscale_and_clip()
+            self.guard.step(self.optimizer, found_inf)
+        else:
+            grad_norm = None  # a captured step never clips (captured.check_graphable)
         written, done = self._verdicts.written, False
         try:
             self.guard.update()
@@ -350,6 +359,21 @@ class StepEngine:
             grad_norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         return found_inf, grad_norm
+
+    def _replay(self) -> torch.Tensor | None:
+        """The check and update as one CUDA graph replay; None when this step needs the eager path.
+
+        Partial windows (a flush rescales the gradients) and probed steps stay eager; so does every
+        step once the graph gave up, after one warning that says why.
+        """
+        if self.micro < self.grad_accum_steps or self.probe is not None:
+            return None
+        found_inf = self.captured.step(self.params())
+        if found_inf is None and self.captured.given_up is not None:
+            warnings.warn(f"graph_optimizer_step: the optimizer step runs eagerly from now on: {self.captured.given_up}",
+                          RuntimeWarning, stacklevel=_caller_level())
+            self.captured = None
+        return found_inf
 
     def _after_failed_update(self, found_inf: torch.Tensor, loss: torch.Tensor, wrote: bool) -> None:
         """After an error past a step's optimizer update: the loss scale brought up to date, and the step's verdict

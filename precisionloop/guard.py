@@ -25,7 +25,7 @@ from torch import nn
 
 from . import _compat
 
-__all__ = ["GradientGuard", "ScalerGuard", "FiniteGuard", "fuse_default_optimizer"]
+__all__ = ["GradientGuard", "ScalerGuard", "FiniteGuard", "fuse_default_optimizer", "fusable"]
 
 
 class GradientGuard(Protocol):
@@ -88,6 +88,15 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | 
     ``differentiable`` itself, or holds a parameter the fused kernels cannot take, and any
     optimizer of a ``model`` with sparse embeddings (the fused kernels take no sparse gradients).
     """
+    if not fusable(optimizer, model) or not all(
+            p.device.type in device_types for group in optimizer.param_groups for p in group["params"]):
+        return False
+    _compat.use_fused_implementation(optimizer)
+    return True
+
+
+def fusable(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> bool:
+    """Whether :func:`fuse_default_optimizer` would switch this optimizer once its parameters are on a CUDA device."""
     if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
         return False
     if model is not None and any(getattr(m, "sparse", False) for m in model.modules()
@@ -96,9 +105,8 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | 
     for group in optimizer.param_groups:
         if group.get("fused") is not None or group.get("foreach") or group.get("capturable") or group.get("differentiable"):
             return False
-        if not all(p.device.type in device_types and p.is_floating_point() for p in group["params"]):
+        if not all(p.is_floating_point() for p in group["params"]):
             return False
-    _compat.use_fused_implementation(optimizer)
     return True
 
 

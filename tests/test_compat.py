@@ -153,3 +153,33 @@ def test_current_stream_id_follows_the_current_cuda_stream():
         assert _compat.current_stream_id(device) == side.cuda_stream != default
         assert _compat.current_stream_id(torch.device("cuda")) == side.cuda_stream  # no index: the current GPU
     assert _compat.current_stream_id(device) == default
+
+
+def test_foreach_copy_copies_each_tensor():
+    dst, src = [torch.zeros(3), torch.zeros(2, 2)], [torch.arange(3.0), torch.ones(2, 2)]
+    _compat.foreach_copy_(dst, src)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src))
+
+
+def test_has_step_hooks_sees_the_optimizers_and_torchs_global_hooks():
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    opt = torch.optim.SGD(_grad_model().parameters(), lr=0.1)
+    assert not _compat.has_step_hooks(opt)
+    for register in (opt.register_step_pre_hook, opt.register_step_post_hook,
+                     register_optimizer_step_pre_hook, register_optimizer_step_post_hook):
+        handle = register(lambda *args: None)
+        assert _compat.has_step_hooks(opt)
+        handle.remove()
+        assert not _compat.has_step_hooks(opt)
+
+
+def test_capturable_groups_sets_the_flag_and_restores_each_groups_own():
+    model = _grad_model()
+    adam = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "capturable": True}])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)  # SGD's groups have no such key
+    for opt in (adam, sgd):
+        before = [dict(g) for g in opt.param_groups]
+        with _compat.capturable_groups(opt):
+            assert all(g["capturable"] is True for g in opt.param_groups)
+        assert [dict(g) for g in opt.param_groups] == before

@@ -1,0 +1,247 @@
+"""The guarded optimizer step captured as one CUDA graph: ``Trainer(graph_optimizer_step=True)``.
+
+On short steps the host is the bottleneck, and a fused optimizer's Python ``step`` is most of the
+guarded step's host time. Here it runs once under capture; every later step copies the gradients
+into the graph's own buffers (one foreach copy) and replays the graph: zero the verdict, check the
+buffers for inf/NaN, step the optimizer under that verdict. The kernels are the eager guarded step's
+own, so the weights and optimizer state come out bit for bit the same (``tests/test_gpu.py``).
+
+The price: one more gradient-sized buffer (the parameters' size in fp32) and one copy per step.
+
+A graph holds addresses and constants. It is replayed only while they still hold: the same
+parameters at the same addresses, each with a gradient, the same optimizer state and groups, the
+same hyperparameters and the same CUDA stream. A number LR may change (a scheduler's): the graph
+reads it from a device tensor, refilled when it changes. Anything else changed is captured again
+at the next step; a graph that keeps changing (three captures each under 100 steps after the last)
+is given up with a warning, and the eager step runs from then on, as it does for steps the graph
+cannot take (a partial window, a probe, a missing gradient, optimizer step hooks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _compat
+from .guard import FiniteGuard, GradientGuard
+
+__all__ = ["CapturedStep", "check_graphable"]
+
+_CLASSES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_QUICK_REPLAYS = 100  # a graph replaced before this many replays was captured in vain
+_QUICK_LIMIT = 3  # that many in a row, and the settings change too often to capture
+
+
+def check_graphable(device: torch.device, guard: GradientGuard, optimizer: torch.optim.Optimizer, *,
+                    will_fuse: bool, max_grad_norm: float | None, distributed: str | None, autotune: bool) -> None:
+    """Refuse, with the reason, a setup whose optimizer step cannot be captured.
+
+    Args:
+        will_fuse: the Trainer will switch this optimizer to its fused implementation.
+
+    Raises:
+        ValueError: not CUDA, a loss scaler, clipping, distributed training, autotune, or an
+            optimizer other than a fused torch SGD, Adam or AdamW.
+    """
+    why = None
+    if device.type != "cuda":
+        why = f"CUDA graphs need a CUDA device; the device is {device}"
+    elif autotune:
+        why = "autotune may pick any precision; choose the policy first (precisionloop.autotune) and pass it"
+    elif distributed:
+        why = f"distributed={distributed!r} all-reduces the verdict between ranks, which the graph does not"
+    elif max_grad_norm is not None:
+        why = "clipping (max_grad_norm) is not captured; pass max_grad_norm=None"
+    elif type(guard) is not FiniteGuard:
+        why = (f"the policy's {type(guard).__name__} is not capturable (a GradScaler keeps its state on the host); "
+               "use precision 'bf16' or 'fp32'")
+    elif type(optimizer) not in _CLASSES or not (will_fuse or all(g.get("fused") for g in optimizer.param_groups)):
+        why = (f"it captures the fused torch SGD, Adam and AdamW (fused=True, or built with defaults and "
+               f"fuse_optimizer=True); got {type(optimizer).__name__} "
+               f"with fused={[g.get('fused') for g in optimizer.param_groups]}")
+    if why:
+        raise ValueError(f"graph_optimizer_step=True: {why}")
+
+
+class CapturedStep:
+    """One optimizer's guarded step as a CUDA graph, captured when first needed and replayed after."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.captures = 0  # graphs captured so far
+        self.replays = 0  # steps replayed so far
+        self.given_up: str | None = None  # why this stays eager for good
+        self._graph: Any = None
+        self._static: list[torch.Tensor] = []  # the gradients the graph reads
+        self._found: torch.Tensor | None = None  # the graph's verdict: 1.0 when it skipped the update
+        self._ones: torch.Tensor | None = None  # the inverse scale of one the check multiplies by
+        self._lrs: list[tuple[torch.Tensor, float]] = []  # per group: the LR tensor the graph reads, its value
+        self._held: tuple = ()  # the optimizer's objects the graph was captured over (see _objects)
+        self._stream: int | None = None  # the CUDA stream it was captured for
+        self._ptrs: list[int] = []  # the addresses of the parameters it steps
+        self._settings: list[list[tuple[str, Any]]] = []
+        self._quick = 0  # graphs in a row replaced after fewer than _QUICK_REPLAYS replays
+        self._replays_at_capture = 0
+
+    def step(self, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+        """Step under the graph and return its verdict (a device tensor the next replay overwrites), or None.
+
+        None leaves the step to the caller's eager path; nothing has changed then. Parameters without
+        a gradient are left out of the graph, as the eager step leaves them.
+        """
+        if self.given_up is not None or _compat.has_step_hooks(self.optimizer):
+            return None  # hooks run in Python, which a replay skips
+        live, grads = [], []
+        for p in params:
+            if (g := p.grad) is not None:  # .grad read once: ~0.1 us a parameter a step
+                live.append(p)
+                grads.append(g)
+        if not grads:
+            return None
+        if self._graph is None or not self._matches(live):
+            if not self._state_ready(live) or not self._capture(live, grads):
+                return None
+        for i, (group, (lr, value)) in enumerate(zip(self.optimizer.param_groups, self._lrs)):
+            if group["lr"] != value:  # a scheduler's new LR: one fill, no capture
+                lr.fill_(group["lr"])
+                self._lrs[i] = (lr, group["lr"])
+        _compat.foreach_copy_(self._static, grads)
+        self._graph.replay()
+        self.replays += 1
+        return self._found
+
+    def _objects(self) -> tuple:
+        """The optimizer's state and groups, held (not as ids, which a freed object's successor may reuse)."""
+        opt = self.optimizer
+        return (opt.state, opt.param_groups, *opt.param_groups)
+
+    def _matches(self, live: list[torch.nn.Parameter]) -> bool:
+        """The graph still fits: the same objects, the same parameters with gradients at the same addresses, the
+        same stream and settings (LRs aside)."""
+        objects, held = self._objects(), self._held
+        if len(objects) != len(held) or any(a is not b for a, b in zip(objects, held)):
+            return False
+        if _compat.current_stream_id(self._found.device) != self._stream or [p.data_ptr() for p in live] != self._ptrs:
+            return False
+        return all(_same_settings(g, s) for g, s in zip(self.optimizer.param_groups, self._settings))
+
+    def _state_ready(self, live: list[torch.nn.Parameter]) -> bool:
+        """Every parameter with a gradient has the state its step updates in place (eager steps make it), and
+        every LR is a number."""
+        opt = self.optimizer
+        if not _compat.skips_on_device(opt) or not all(g.get("fused") for g in opt.param_groups):
+            self._give_up(f"{type(opt).__name__} is not fused, so its step would not take the graph's verdict")
+            return False
+        for group in opt.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                self._give_up("a tensor LR is not captured (the graph reads its own LR tensor)")
+                return False
+            needs = "momentum_buffer" if isinstance(opt, torch.optim.SGD) else "step"
+            if isinstance(opt, torch.optim.SGD) and group["momentum"] == 0:
+                continue
+            if any(opt.state.get(p, {}).get(needs) is None for p in group["params"] if p.grad is not None):
+                return False
+        return True
+
+    def _capture(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> bool:
+        """Capture the step over buffers like ``grads``; False (and eager for good) if capture fails."""
+        if self._graph is not None:
+            self._quick = self._quick + 1 if self.replays - self._replays_at_capture < _QUICK_REPLAYS else 0
+            if self._quick >= _QUICK_LIMIT:
+                self._give_up(f"the optimizer's settings or state changed {_QUICK_LIMIT} times within "
+                              f"{_QUICK_REPLAYS} steps of a capture")
+                return False
+        if any(g.layout != torch.strided or type(g) is not torch.Tensor for g in grads):
+            self._give_up("a gradient is sparse or a tensor subclass")
+            return False
+        self._release()
+        device = grads[0].device
+        try:
+            self._static = [torch.empty_like(g) for g in grads]
+            self._found = torch.zeros((), dtype=torch.float32, device=device)
+            # Held for the graph's life: it keeps raw addresses, and a freed tensor's memory is soon another's.
+            self._ones = torch.ones((), dtype=torch.float32, device=device)
+            self._lrs = [(torch.full((), float(g["lr"]), dtype=torch.float32, device=device), g["lr"])
+                         for g in self.optimizer.param_groups]
+            self._graph = self._record(params, self._ones)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the eager step, which is always right
+            self._release()
+            self._give_up(f"capture failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            return False
+        except BaseException:
+            self._release()
+            raise
+        opt = self.optimizer
+        self._held, self._ptrs = self._objects(), [p.data_ptr() for p in params]
+        self._stream = _compat.current_stream_id(self._found.device)
+        self._settings = [_settings_of(g) for g in opt.param_groups]
+        self.captures += 1
+        self._replays_at_capture = self.replays
+        return True
+
+    def _record(self, params: list[torch.nn.Parameter], ones: torch.Tensor) -> Any:
+        """Warm up on a side stream with NaN gradients (so the step is skipped), then capture.
+
+        The parameters' own gradients are put back, and the groups' LRs (and ``capturable``) restored, after.
+        """
+        opt, found = self.optimizer, self._found
+        saved_grads = [p.grad for p in params]
+        saved_lrs = [g["lr"] for g in opt.param_groups]
+
+        def body() -> None:
+            found.zero_()
+            _compat.non_finite_check_(self._static, found, ones)
+            _compat.step_with_verdict(opt, found)
+
+        try:
+            for p, s in zip(params, self._static):
+                p.grad = s
+            for g, (lr, _) in zip(opt.param_groups, self._lrs):
+                g["lr"] = lr
+            side = torch.cuda.Stream(found.device)
+            side.wait_stream(torch.cuda.current_stream(found.device))
+            with torch.cuda.stream(side):
+                for s in self._static:
+                    s.fill_(float("nan"))  # the warm-up's verdict is "skip": no weight or state changes
+                body()
+            torch.cuda.current_stream(found.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a DataLoader's pin-memory thread may allocate while this thread captures
+            with _compat.capturable_groups(opt), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                body()
+            return graph
+        finally:
+            for p, g in zip(params, saved_grads):
+                p.grad = g
+            for g, lr in zip(opt.param_groups, saved_lrs):
+                g["lr"] = lr
+
+    def _release(self) -> None:
+        """Drop the graph and its buffers, once the device is done with them."""
+        if self._graph is not None:
+            torch.cuda.synchronize(self._found.device)  # a replay may still be running
+        self._graph, self._static, self._lrs, self._held, self._ones = None, [], [], (), None
+
+    def _give_up(self, why: str) -> None:
+        """Stay eager for good (the engine warns once, naming ``why``)."""
+        self.given_up = why
+        self._release()
+
+
+def _settings_of(group: dict) -> list[tuple[str, Any]]:
+    return [(k, v) for k, v in group.items() if k not in ("params", "lr")]
+
+
+def _same_settings(group: dict, settings: list[tuple[str, Any]]) -> bool:
+    """The group's settings (LR and parameters aside) are those captured; tensors by identity (never compared)."""
+    if len(group) != len(settings) + 2:
+        return False
+    for key, value in settings:
+        now = group.get(key, _MISSING)
+        if now is not value and (isinstance(now, torch.Tensor) or isinstance(value, torch.Tensor) or now != value):
+            return False
+    return True
+
+
+_MISSING = object()

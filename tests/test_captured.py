@@ -1,0 +1,214 @@
+"""graph_optimizer_step: the guarded optimizer step as one CUDA graph. The checks run anywhere; the graph on CUDA only."""
+
+import warnings
+
+import pytest
+import torch
+from conftest import batches, tiny_cnn, tiny_mlp
+
+from precisionloop import Trainer, get_policy
+from precisionloop.captured import check_graphable
+
+gpu = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def _check(device=CUDA, guard=None, optimizer=None, **settings):
+    model = tiny_mlp()
+    settings = {**dict(will_fuse=False, max_grad_norm=None, distributed=None, autotune=False), **settings}
+    check_graphable(device, guard or get_policy("bf16").make_guard("cuda"),
+                    optimizer or torch.optim.SGD(model.parameters(), lr=0.1, fused=True), **settings)
+
+
+def test_a_fused_sgd_under_bf16_and_fp32_on_cuda_is_graphable():
+    _check()
+    _check(guard=get_policy("fp32").make_guard("cuda"))
+    model = tiny_mlp()
+    _check(optimizer=torch.optim.AdamW(model.parameters()), will_fuse=True)  # the Trainer will fuse it
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(device=torch.device("cpu")), "CUDA graphs need a CUDA device; the device is cpu"),
+    (dict(autotune=True), "choose the policy first"),
+    (dict(distributed="ddp"), "distributed='ddp'"),
+    (dict(max_grad_norm=1.0), "max_grad_norm=None"),
+])
+def test_what_cannot_be_captured_is_refused_with_the_reason(overrides, match):
+    with pytest.raises(ValueError, match=f"graph_optimizer_step=True: .*{match}"):
+        _check(**overrides)
+
+
+def test_a_loss_scaler_and_unfused_or_other_optimizers_are_refused():
+    with pytest.raises(ValueError, match="ScalerGuard is not capturable .*'bf16' or 'fp32'"):
+        _check(guard=get_policy("fp16").make_guard("cpu"))
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match=r"got SGD with fused=\[None\]"):
+        _check(optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # default implementation, fuse_optimizer=False
+    with pytest.raises(ValueError, match="got Adagrad"):
+        _check(optimizer=torch.optim.Adagrad(model.parameters()), will_fuse=True)
+
+
+def test_the_trainer_refuses_before_it_changes_anything():
+    model = tiny_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="the device is cpu"):
+        Trainer(model, optimizer, "bf16", device="cpu", graph_optimizer_step=True)
+    assert optimizer.param_groups[0]["fused"] is None and not optimizer.state
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+# On CUDA -------------------------------------------------------------------------------------------------
+
+OPTIMIZERS = {
+    "sgd-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "sgd-plain": lambda p: torch.optim.SGD(p, lr=0.1),
+    "adam-amsgrad-wd": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+}
+
+
+def _data(n, nan_at=(4, 5)):
+    data = []
+    for i, (x, y) in enumerate(batches(n)):
+        if i in nan_at:
+            x = x.clone()
+            x[0, 0] = float("nan")  # a NaN loss: every gradient is NaN, and the step must be skipped
+        data.append((x.cuda(), y.cuda()))
+    return data
+
+
+def _trainer(make, graphed, **kw):
+    model = tiny_mlp()
+    opt = make(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))  # a new LR every step
+    return Trainer(model, opt, "bf16", device="cuda", scheduler=sched, graph_optimizer_step=graphed, **kw)
+
+
+def _assert_same(a, b):
+    """The same weights, optimizer state, LR and counters, bit for bit."""
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), name
+        sa, sb = a.optimizer.state[p], b.optimizer.state[q]
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), name
+    assert [g["lr"] for g in a.optimizer.param_groups] == [g["lr"] for g in b.optimizer.param_groups]
+    assert a.stats == b.stats and a.global_step == b.global_step
+
+
+@gpu
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_captured_step_is_the_eager_step_bit_for_bit(name):
+    eager, graphed = _trainer(OPTIMIZERS[name], False), _trainer(OPTIMIZERS[name], True)
+    data = _data(14)
+    for batch in data:
+        assert eager.step(batch).skipped == graphed.step(batch).skipped
+    _assert_same(eager, graphed)
+    assert graphed.stats.skipped == 2 and torch.isfinite(next(graphed.model.parameters())).all()
+    captured = graphed.engine.captured
+    assert captured.captures == 1 and captured.replays >= 12  # eager until the optimizer has its state
+    assert all(g.get("capturable", False) is False for g in graphed.optimizer.param_groups)  # restored after capture
+    assert eager.engine.captured is None
+
+
+@gpu
+def test_a_captured_step_takes_no_host_sync():
+    trainer = _trainer(OPTIMIZERS["adamw"], True)
+    data = _data(6, nan_at=())
+    for batch in data[:2]:
+        trainer.step(batch)  # state, then the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = [trainer.step(b) for b in data[2:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(r.stepped for r in results) and trainer.engine.captured.replays == 5
+
+
+@gpu
+def test_a_load_and_a_frozen_layer_are_captured_anew_and_stay_exact():
+    eager, graphed = _trainer(OPTIMIZERS["sgd-nesterov-wd"], False), _trainer(OPTIMIZERS["sgd-nesterov-wd"], True)
+    data = _data(14)
+    for t in (eager, graphed):
+        for batch in data[:6]:
+            t.step(batch)
+        saved = t.state_dict()
+        for batch in data[6:9]:
+            t.step(batch)
+        t.load_state_dict(saved)  # new optimizer state tensors: the old graph would write the replaced ones
+        for batch in data[6:10]:
+            t.step(batch)
+        t.model[2].requires_grad_(False)  # no gradients there: the eager step leaves those parameters alone
+        for batch in data[10:]:
+            t.step(batch)
+    _assert_same(eager, graphed)
+    assert graphed.engine.captured.captures == 3 and graphed.engine.captured.given_up is None
+
+
+@gpu
+def test_a_step_on_another_stream_is_captured_for_that_stream():
+    eager, graphed = _trainer(OPTIMIZERS["adamw"], False), _trainer(OPTIMIZERS["adamw"], True)
+    data = _data(8)
+    for t in (eager, graphed):
+        for batch in data[:4]:
+            t.step(batch)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for batch in data[4:]:
+                t.step(batch)
+        torch.cuda.current_stream().wait_stream(side)
+    _assert_same(eager, graphed)
+    assert graphed.engine.captured.captures == 2 and graphed.engine.captured.replays == 7
+
+
+@gpu
+def test_settings_that_keep_changing_give_up_the_graph_with_one_warning():
+    eager, graphed = _trainer(OPTIMIZERS["sgd-nesterov-wd"], False), _trainer(OPTIMIZERS["sgd-nesterov-wd"], True)
+    data = _data(10)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for t in (eager, graphed):
+            for i, batch in enumerate(data):
+                t.optimizer.param_groups[0]["momentum"] = 0.9 - 0.01 * i  # a momentum schedule: baked into a graph
+                t.step(batch)
+    _assert_same(eager, graphed)
+    ours = [w for w in seen if "graph_optimizer_step" in str(w.message)]
+    assert len(ours) == 1 and "changed 3 times" in str(ours[0].message) and ours[0].filename == __file__
+    assert graphed.engine.captured is None  # eager from then on
+
+
+@gpu
+def test_partial_windows_and_step_hooks_run_eagerly():
+    eager, graphed = (_trainer(OPTIMIZERS["adamw"], g, grad_accum_steps=2) for g in (False, True))
+    calls = []
+    data = _data(11, nan_at=(3,))
+    for t in (eager, graphed):
+        for batch in data[:8]:
+            t.step(batch)
+        handle = t.optimizer.register_step_pre_hook(lambda *a: calls.append(1))
+        t.step(data[8])
+        t.step(data[9])  # a hook: the replay would skip it, so this step is eager
+        handle.remove()
+        t.step(data[10])
+        t.flush()  # a window of one, rescaled: eager
+    _assert_same(eager, graphed)
+    assert calls == [1, 1] and graphed.engine.captured.replays == 3  # steps 2-4 (step 1 made the state)
+
+
+@gpu
+def test_compiled_and_captured_fit_trains_and_skips_nans():
+    model = tiny_cnn()
+    armed = {"on": False}
+    model[-1].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if armed["on"] else g)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "bf16", device="cuda",
+                      compile=True, graph_optimizer_step=True)
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(6)]
+    loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=1, pin_memory=True)  # a pin thread
+    trainer.fit(loader, epochs=2, progress=False)
+    before = {k: v.clone() for k, v in model.state_dict().items() if "weight" in k}
+    armed["on"] = True
+    assert trainer.step(data[0]).skipped
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert trainer.stats.skipped == 1 and trainer.engine.captured.replays >= 10
