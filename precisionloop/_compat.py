@@ -168,8 +168,12 @@ class capturable_groups:
 
     def __enter__(self) -> None:
         self._saved = [g.get("capturable", _ABSENT) for g in self._optimizer.param_groups]
-        for g in self._optimizer.param_groups:
-            g["capturable"] = True
+        try:
+            for g in self._optimizer.param_groups:
+                g["capturable"] = True
+        except BaseException:  # a Ctrl-C midway: no group keeps the flag
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc) -> None:
         for g, value in zip(self._optimizer.param_groups, self._saved):

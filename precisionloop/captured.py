@@ -19,6 +19,7 @@ cannot take (a partial window, a probe, a missing gradient, optimizer step hooks
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -81,6 +82,9 @@ class CapturedStep:
         self._stream: int | None = None  # the CUDA stream it was captured for
         self._ptrs: list[int] = []  # the addresses of the parameters it steps
         self._settings: list[list[tuple[str, Any]]] = []
+        self._dicts: list[dict | None] = []  # each stepped parameter's optimizer state dict
+        self._sizes: list[int] = []
+        self._state_tensors: list[torch.Tensor] = []
         self._quick = 0  # graphs in a row replaced after fewer than _QUICK_REPLAYS replays
         self._replays_at_capture = 0
 
@@ -103,9 +107,13 @@ class CapturedStep:
             if not self._state_ready(live) or not self._capture(live, grads):
                 return None
         for i, (group, (lr, value)) in enumerate(zip(self.optimizer.param_groups, self._lrs)):
-            if group["lr"] != value:  # a scheduler's new LR: one fill, no capture
-                lr.fill_(group["lr"])
-                self._lrs[i] = (lr, group["lr"])
+            now = group["lr"]
+            if now is not value and (isinstance(now, torch.Tensor) or now != value):  # a scheduler's new LR: one fill
+                if isinstance(now, torch.Tensor):  # a scheduler fills it in place, where the graph would not see it
+                    self._give_up("a tensor LR is not captured (the graph reads its own LR tensor)")
+                    return None
+                lr.fill_(now)
+                self._lrs[i] = (lr, now)
         _compat.foreach_copy_(self._static, grads)
         self._graph.replay()
         self.replays += 1
@@ -123,6 +131,11 @@ class CapturedStep:
         if len(objects) != len(held) or any(a is not b for a, b in zip(objects, held)):
             return False
         if _compat.current_stream_id(self._found.device) != self._stream or [p.data_ptr() for p in live] != self._ptrs:
+            return False
+        # Each parameter's state dict, the same object holding as many tensors: a cleared or replaced one (a load of a
+        # run saved before its first step clears the state in place) would leave the graph stepping orphans.
+        dicts = list(map(self.optimizer.state.get, live))
+        if not all(map(operator.is_, dicts, self._dicts)) or list(map(_size, dicts)) != self._sizes:
             return False
         return all(_same_settings(g, s) for g, s in zip(self.optimizer.param_groups, self._settings))
 
@@ -173,21 +186,29 @@ class CapturedStep:
             self._release()
             raise
         opt = self.optimizer
-        self._held, self._ptrs = self._objects(), [p.data_ptr() for p in params]
-        self._stream = _compat.current_stream_id(self._found.device)
+        self._ptrs, self._stream = [p.data_ptr() for p in params], _compat.current_stream_id(self._found.device)
         self._settings = [_settings_of(g) for g in opt.param_groups]
+        self._dicts = [opt.state.get(p) for p in params]
+        self._sizes = list(map(_size, self._dicts))
+        # The state tensors too, so their memory is never another's while the graph writes it.
+        self._state_tensors = [t for d in self._dicts if d for t in d.values() if isinstance(t, torch.Tensor)]
+        self._held = self._objects()  # last: until it is set, the graph matches nothing
         self.captures += 1
         self._replays_at_capture = self.replays
         return True
 
     def _record(self, params: list[torch.nn.Parameter], ones: torch.Tensor) -> Any:
-        """Warm up on a side stream with NaN gradients (so the step is skipped), then capture.
+        """Warm up on a side stream with NaN gradients (so the step is skipped), then capture on it.
 
-        The parameters' own gradients are put back, and the groups' LRs (and ``capturable``) restored, after.
+        Put back after: the parameters' own gradients and the groups' LRs (and ``capturable``); after a
+        failure, also the current stream and device, and Adam's step counts, which a skipped step counts up
+        and back down, so a warm-up cut off in between would leave them one too high.
         """
-        opt, found = self.optimizer, self._found
-        saved_grads = [p.grad for p in params]
-        saved_lrs = [g["lr"] for g in opt.param_groups]
+        opt, found, device = self.optimizer, self._found, self._found.device
+        saved_grads, saved_lrs = [p.grad for p in params], [g["lr"] for g in opt.param_groups]
+        current, current_device = torch.cuda.current_stream(device), torch.cuda.current_device()
+        counts = [(t, t.clone()) for p in params for k, t in (opt.state.get(p) or {}).items()
+                  if k == "step" and isinstance(t, torch.Tensor)]
 
         def body() -> None:
             found.zero_()
@@ -199,29 +220,44 @@ class CapturedStep:
                 p.grad = s
             for g, (lr, _) in zip(opt.param_groups, self._lrs):
                 g["lr"] = lr
-            side = torch.cuda.Stream(found.device)
-            side.wait_stream(torch.cuda.current_stream(found.device))
-            with torch.cuda.stream(side):
-                for s in self._static:
-                    s.fill_(float("nan"))  # the warm-up's verdict is "skip": no weight or state changes
-                body()
-            torch.cuda.current_stream(found.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a DataLoader's pin-memory thread may allocate while this thread captures
-            with _compat.capturable_groups(opt), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                body()
+            side = torch.cuda.Stream(device)
+            side.wait_stream(current)
+            with torch.cuda.device(device):  # the parameters' device, whichever is current
+                with torch.cuda.stream(side):
+                    for s in self._static:
+                        s.fill_(float("nan"))  # the warm-up's verdict is "skip": no weight or state changes
+                    body()
+                current.wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: a DataLoader's pin-memory thread may allocate while this thread captures
+                with _compat.capturable_groups(opt), torch.cuda.graph(graph, stream=side,
+                                                                       capture_error_mode="thread_local"):
+                    body()
             return graph
+        except BaseException:
+            if torch.cuda.current_stream(device) != current:  # a failed capture_end skips restoring it
+                torch.cuda.set_stream(current)
+            torch.cuda.set_device(current_device)
+            torch.cuda.synchronize(device)
+            for count, saved in counts:
+                count.copy_(saved)
+            raise
         finally:
             for p, g in zip(params, saved_grads):
                 p.grad = g
             for g, lr in zip(opt.param_groups, saved_lrs):
                 g["lr"] = lr
 
+    def invalidate(self) -> None:
+        """Drop the graph: the state it steps is being replaced (a load). The next step captures anew."""
+        self._release()
+
     def _release(self) -> None:
         """Drop the graph and its buffers, once the device is done with them."""
         if self._graph is not None:
             torch.cuda.synchronize(self._found.device)  # a replay may still be running
         self._graph, self._static, self._lrs, self._held, self._ones = None, [], [], (), None
+        self._dicts, self._state_tensors = [], []
 
     def _give_up(self, why: str) -> None:
         """Stay eager for good (the engine warns once, naming ``why``)."""
@@ -230,7 +266,12 @@ class CapturedStep:
 
 
 def _settings_of(group: dict) -> list[tuple[str, Any]]:
-    return [(k, v) for k, v in group.items() if k not in ("params", "lr")]
+    """A group's settings but its LR, lists copied (``betas`` edited in place must not match itself)."""
+    return [(k, list(v) if isinstance(v, list) else v) for k, v in group.items() if k not in ("params", "lr")]
+
+
+def _size(state: dict | None) -> int:
+    return -1 if state is None else len(state)
 
 
 def _same_settings(group: dict, settings: list[tuple[str, Any]]) -> bool:

@@ -370,9 +370,9 @@ class StepEngine:
             return None
         found_inf = self.captured.step(self.params())
         if found_inf is None and self.captured.given_up is not None:
-            warnings.warn(f"graph_optimizer_step: the optimizer step runs eagerly from now on: {self.captured.given_up}",
+            why, self.captured = self.captured.given_up, None  # first: a warning raised as an error must not repeat
+            warnings.warn(f"graph_optimizer_step: the optimizer step runs eagerly from now on: {why}",
                           RuntimeWarning, stacklevel=_caller_level())
-            self.captured = None
         return found_inf
 
     def _after_failed_update(self, found_inf: torch.Tensor, loss: torch.Tensor, wrote: bool) -> None:
@@ -406,6 +406,11 @@ class StepEngine:
         """
         self._verdicts.copy()
         self._book()
+
+    def forget_graph(self) -> None:
+        """Drop the captured step's graph, if any: a load replaces the optimizer state it steps."""
+        if self.captured is not None:
+            self.captured.invalidate()
 
     def discard_verdicts(self) -> None:
         """Forget the verdicts not yet booked: a load replaces the counters, stats and scheduler they would change."""

@@ -60,11 +60,12 @@ def test_the_trainer_refuses_before_it_changes_anything():
 
 # On CUDA -------------------------------------------------------------------------------------------------
 
+# LRs that are fp32 numbers (the schedule below halves them): the graph reads each LR from an fp32 tensor.
 OPTIMIZERS = {
-    "sgd-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
-    "sgd-plain": lambda p: torch.optim.SGD(p, lr=0.1),
-    "adam-amsgrad-wd": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-2, amsgrad=True),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2),
+    "sgd-nesterov-wd": lambda p: torch.optim.SGD(p, lr=2**-4, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "sgd-plain": lambda p: torch.optim.SGD(p, lr=2**-4),
+    "adam-amsgrad-wd": lambda p: torch.optim.Adam(p, lr=2**-7, weight_decay=1e-2, amsgrad=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=2**-7),
 }
 
 
@@ -78,11 +79,13 @@ def _data(n, nan_at=(4, 5)):
     return data
 
 
-def _trainer(make, graphed, **kw):
+def _trainer(make, graphed, scheduled=True, **kw):
     model = tiny_mlp()
     opt = make(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))  # a new LR every step
-    return Trainer(model, opt, "bf16", device="cuda", scheduler=sched, graph_optimizer_step=graphed, **kw)
+    # a new LR every step, booked at the next
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** (s % 4)) if scheduled else None
+    kw.setdefault("device", "cuda")
+    return Trainer(model, opt, "bf16", scheduler=sched, graph_optimizer_step=graphed, **kw)
 
 
 def _assert_same(a, b):
@@ -194,6 +197,97 @@ def test_partial_windows_and_step_hooks_run_eagerly():
         t.flush()  # a window of one, rescaled: eager
     _assert_same(eager, graphed)
     assert calls == [1, 1] and graphed.engine.captured.replays == 3  # steps 2-4 (step 1 made the state)
+
+
+def _fp32(x):
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+@gpu
+@pytest.mark.parametrize("name", ["sgd-nesterov-wd", "adamw"])
+def test_other_lrs_step_as_the_eager_step_with_each_lr_rounded_to_fp32(name):
+    eager, graphed = _trainer(OPTIMIZERS[name], False, False), _trainer(OPTIMIZERS[name], True, False)
+    for i, batch in enumerate(_data(30, nan_at=(7,))):
+        lr = 1e-3 / (1 + 0.37 * i)  # not an fp32 number
+        eager.optimizer.param_groups[0]["lr"], graphed.optimizer.param_groups[0]["lr"] = _fp32(lr), lr
+        eager.step(batch)
+        graphed.step(batch)
+    graphed.optimizer.param_groups[0]["lr"] = eager.optimizer.param_groups[0]["lr"]
+    _assert_same(eager, graphed)
+    assert graphed.engine.captured.captures == 1
+
+
+@gpu
+def test_state_cleared_or_replaced_in_place_is_captured_anew():
+    eager, graphed = _trainer(OPTIMIZERS["adamw"], False), _trainer(OPTIMIZERS["adamw"], True)
+    data = _data(12, nan_at=())
+    for t in (eager, graphed):
+        before_any_step = t.state_dict()  # no optimizer state: a load clears it in place
+        for batch in data[:4]:
+            t.step(batch)
+        t.load_state_dict(before_any_step)
+        for batch in data[4:8]:
+            t.step(batch)
+        for p in list(t.optimizer.state):  # each parameter's state replaced by a copy, by hand
+            t.optimizer.state[p] = {k: v.clone() for k, v in t.optimizer.state[p].items()}
+        for batch in data[8:]:
+            t.step(batch)
+    _assert_same(eager, graphed)
+    assert graphed.engine.captured.captures == 3
+
+
+@gpu
+def test_a_tensor_lr_set_after_the_capture_gives_up_the_graph():
+    eager, graphed = (_trainer(OPTIMIZERS["sgd-nesterov-wd"], g, False) for g in (False, True))
+    data = _data(8, nan_at=())
+    with pytest.warns(RuntimeWarning, match="a tensor LR is not captured"):
+        for t in (eager, graphed):
+            for batch in data[:3]:
+                t.step(batch)
+            lr = t.optimizer.param_groups[0]["lr"] = torch.tensor(2**-5, device="cuda")  # fused SGD takes it
+            for batch in data[3:5]:
+                t.step(batch)
+            lr.fill_(2**-6)  # as a scheduler sets a tensor LR: in place
+            for batch in data[5:]:
+                t.step(batch)
+    _assert_same(eager, graphed)
+    assert graphed.engine.captured is None
+
+
+@gpu
+def test_an_interrupted_warm_up_leaves_adams_step_counts_as_they_were(monkeypatch):
+    eager, graphed = _trainer(OPTIMIZERS["adamw"], False), _trainer(OPTIMIZERS["adamw"], True)
+    data = _data(6, nan_at=())
+    eager.step(data[0])
+    graphed.step(data[0])  # eager: it makes Adam's state
+    fused = torch._fused_adamw_
+
+    def interrupted(*args, **kwargs):  # after _fused_adam counted the step up, before it counts it back down
+        monkeypatch.setattr(torch, "_fused_adamw_", fused)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "_fused_adamw_", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        graphed.step(data[1])
+    assert graphed.global_step == 1 and graphed.engine.captured.captures == 0
+    for batch in data[2:]:
+        eager.step(batch)
+        graphed.step(batch)
+    _assert_same(eager, graphed)
+    assert graphed.engine.captured.captures == 1
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs; run on the two-GPU machine")
+def test_a_trainer_on_the_second_gpu_captures_there():
+    eager, graphed = (_trainer(OPTIMIZERS["adamw"], g, device="cuda:1") for g in (False, True))
+    assert torch.cuda.current_device() == 0
+    for batch in _data(8):
+        eager.step(batch)
+        graphed.step(batch)
+    _assert_same(eager, graphed)
+    assert graphed.stats.skipped == 2 and graphed.engine.captured.replays == 7
 
 
 @gpu
