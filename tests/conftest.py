@@ -52,3 +52,13 @@ def fp32_only_loss(outputs, targets):
     if outputs.dtype != torch.float32:
         raise RuntimeError("this loss runs in fp32 only")
     return nn.functional.cross_entropy(outputs, targets)
+
+
+def steps_without_host_sync(trainer, batches) -> list:
+    """``trainer.step`` on each batch with torch's sync check raising on any host sync (CUDA only)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return [trainer.step(b) for b in batches]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

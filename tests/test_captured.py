@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import batches, tiny_cnn, tiny_mlp
+from conftest import batches, steps_without_host_sync, tiny_cnn, tiny_mlp
 
 from precisionloop import Trainer, get_policy
 from precisionloop.captured import check_graphable
@@ -119,12 +119,7 @@ def test_a_captured_step_takes_no_host_sync():
     data = _data(6, nan_at=())
     for batch in data[:2]:
         trainer.step(batch)  # state, then the capture
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        results = [trainer.step(b) for b in data[2:]]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    results = steps_without_host_sync(trainer, data[2:])
     assert all(r.stepped for r in results) and trainer.engine.captured.replays == 5
 
 

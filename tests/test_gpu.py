@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import batches, tiny_cnn, tiny_mlp
+from conftest import batches, steps_without_host_sync, tiny_cnn, tiny_mlp
 from torch import nn
 
 from precisionloop import BF16Policy, FP16Policy, Trainer, get_policy
@@ -108,12 +108,7 @@ def test_fused_optimizer_steps_without_host_sync(precision):
                       max_grad_norm=1.0)
     data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
     trainer.step(data[0])  # the first step creates optimizer state and scaler tensors
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        results = [trainer.step(b) for b in data[1:]]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    results = steps_without_host_sync(trainer, data[1:])
     assert all(r.stepped for r in results)
     assert trainer.stats.steps == 4
 
