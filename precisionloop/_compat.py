@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.optim import optimizer as _optimizer_module  # asked every step: imported once
 
 
 def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -148,10 +149,8 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """True when ``optimizer.step`` runs hooks: the optimizer's own step hooks or torch's global ones."""
-    from torch.optim import optimizer as module
-
     return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or module._global_optimizer_pre_hooks or module._global_optimizer_post_hooks)
+                or _optimizer_module._global_optimizer_pre_hooks or _optimizer_module._global_optimizer_post_hooks)
 
 
 class capturable_groups:

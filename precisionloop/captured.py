@@ -4,7 +4,8 @@ On short steps the host is the bottleneck, and a fused optimizer's Python ``step
 guarded step's host time. Here it runs once under capture; every later step copies the gradients
 into the graph's own buffers (one foreach copy) and replays the graph: zero the verdict, check the
 buffers for inf/NaN, step the optimizer under that verdict. The kernels are the eager guarded step's
-own, so the weights and optimizer state come out bit for bit the same (``tests/test_gpu.py``).
+own, so the weights and optimizer state come out bit for bit the same (``tests/test_captured.py``), the
+LR aside: the graph reads it from an fp32 tensor, so an LR that is not an fp32 number steps rounded to one.
 
 The price: one more gradient-sized buffer (the parameters' size in fp32) and one copy per step.
 
@@ -12,13 +13,15 @@ A graph holds addresses and constants. It is replayed only while they still hold
 parameters at the same addresses, each with a gradient, the same optimizer state and groups, the
 same hyperparameters and the same CUDA stream. A number LR may change (a scheduler's): the graph
 reads it from a device tensor, refilled when it changes. Anything else changed is captured again
-at the next step; a graph that keeps changing (three captures each under 100 steps after the last)
+at the next step; a graph that keeps changing (changed three times, each within 100 steps of the capture before)
 is given up with a warning, and the eager step runs from then on, as it does for steps the graph
 cannot take (a partial window, a probe, a missing gradient, optimizer step hooks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import operator
 from typing import Any
 
@@ -84,7 +87,8 @@ class CapturedStep:
         self._settings: list[list[tuple[str, Any]]] = []
         self._dicts: list[dict | None] = []  # each stepped parameter's optimizer state dict
         self._sizes: list[int] = []
-        self._state_tensors: list[torch.Tensor] = []
+        self._state_tensors: list[Any] = []  # the values of those dicts, in order
+        self._params: list[torch.Tensor] = []  # the stepped parameters' tensors, held
         self._quick = 0  # graphs in a row replaced after fewer than _QUICK_REPLAYS replays
         self._replays_at_capture = 0
 
@@ -136,6 +140,8 @@ class CapturedStep:
         # run saved before its first step clears the state in place) would leave the graph stepping orphans.
         dicts = list(map(self.optimizer.state.get, live))
         if not all(map(operator.is_, dicts, self._dicts)) or list(map(_size, dicts)) != self._sizes:
+            return False
+        if not all(map(operator.is_, _values(dicts), self._state_tensors)):  # an entry replaced by hand
             return False
         return all(_same_settings(g, s) for g, s in zip(self.optimizer.param_groups, self._settings))
 
@@ -190,8 +196,10 @@ class CapturedStep:
         self._settings = [_settings_of(g) for g in opt.param_groups]
         self._dicts = [opt.state.get(p) for p in params]
         self._sizes = list(map(_size, self._dicts))
-        # The state tensors too, so their memory is never another's while the graph writes it.
-        self._state_tensors = [t for d in self._dicts if d for t in d.values() if isinstance(t, torch.Tensor)]
+        # The state's values and the parameters' tensors too, held so their memory is never another's while the graph
+        # writes it: a parameter given new data (freed, then reallocated) can then never reappear at its old address.
+        self._state_tensors = list(_values(self._dicts))
+        self._params = [p.detach() for p in params]
         self._held = self._objects()  # last: until it is set, the graph matches nothing
         self.captures += 1
         self._replays_at_capture = self.replays
@@ -215,6 +223,7 @@ class CapturedStep:
             _compat.non_finite_check_(self._static, found, ones)
             _compat.step_with_verdict(opt, found)
 
+        graph = side = None
         try:
             for p, s in zip(params, self._static):
                 p.grad = s
@@ -235,18 +244,14 @@ class CapturedStep:
                     body()
             return graph
         except BaseException:
-            if torch.cuda.current_stream(device) != current:  # a failed capture_end skips restoring it
-                torch.cuda.set_stream(current)
-            torch.cuda.set_device(current_device)
-            torch.cuda.synchronize(device)
-            for count, saved in counts:
-                count.copy_(saved)
+            with contextlib.suppress(Exception):  # the first error is the one raised
+                _undo_capture(graph, side, current, current_device, counts)
             raise
         finally:
+            for g, lr in zip(opt.param_groups, saved_lrs):  # first: a group left with the graph's LR tensor would save it
+                g["lr"] = lr
             for p, g in zip(params, saved_grads):
                 p.grad = g
-            for g, lr in zip(opt.param_groups, saved_lrs):
-                g["lr"] = lr
 
     def invalidate(self) -> None:
         """Drop the graph: the state it steps is being replaced (a load). The next step captures anew."""
@@ -254,15 +259,29 @@ class CapturedStep:
 
     def _release(self) -> None:
         """Drop the graph and its buffers, once the device is done with them."""
-        if self._graph is not None:
+        if self._graph is not None and self._found.is_cuda:
             torch.cuda.synchronize(self._found.device)  # a replay may still be running
         self._graph, self._static, self._lrs, self._held, self._ones = None, [], [], (), None
-        self._dicts, self._state_tensors = [], []
+        self._dicts, self._state_tensors, self._params = [], [], []
 
     def _give_up(self, why: str) -> None:
         """Stay eager for good (the engine warns once, naming ``why``)."""
         self.given_up = why
         self._release()
+
+
+def _undo_capture(graph: Any, side: Any, current: Any, device_index: int, counts: list) -> None:
+    """After a failed capture: end a capture left open (an interrupt inside ``torch.cuda.graph``'s entry), make the
+    caller's stream and device current again, and put back Adam's step counts."""
+    if side is not None and side.is_capturing() and graph is not None:
+        with torch.cuda.stream(side):
+            graph.capture_end()
+    if torch.cuda.current_stream(current.device) != current:  # a failed capture_end skips restoring it
+        torch.cuda.set_stream(current)
+    torch.cuda.set_device(device_index)
+    torch.cuda.synchronize(current.device)
+    for count, saved in counts:
+        count.copy_(saved)
 
 
 def _settings_of(group: dict) -> list[tuple[str, Any]]:
@@ -272,6 +291,11 @@ def _settings_of(group: dict) -> list[tuple[str, Any]]:
 
 def _size(state: dict | None) -> int:
     return -1 if state is None else len(state)
+
+
+def _values(dicts: list[dict | None]) -> Any:
+    """Every value of the dicts, in order (None for a parameter without state contributes nothing)."""
+    return itertools.chain.from_iterable(map(dict.values, filter(None, dicts)))
 
 
 def _same_settings(group: dict, settings: list[tuple[str, Any]]) -> bool:

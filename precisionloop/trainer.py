@@ -68,7 +68,7 @@ class Trainer:
         graph_optimizer_step: on CUDA, capture the guarded optimizer step (the inf/NaN check and a
             fused SGD, Adam or AdamW update) as one CUDA graph and replay it each step, which saves
             the optimizer's host time on launch-bound steps; results are bit for bit the eager
-            step's. It costs one more gradient-sized buffer and a copy per step. bf16 and fp32
+            step's with each LR rounded to fp32 (the graph reads it from a tensor). It costs one more gradient-sized buffer and a copy per step. bf16 and fp32
             only, no clipping, not distributed; partial windows and probed steps run eagerly, and
             so does every step after a warning if the optimizer's settings keep changing. See
             :mod:`precisionloop.captured`.

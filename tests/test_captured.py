@@ -7,7 +7,9 @@ import torch
 from conftest import batches, steps_without_host_sync, tiny_cnn, tiny_mlp
 
 from precisionloop import Trainer, get_policy
-from precisionloop.captured import check_graphable
+from torch import nn
+
+from precisionloop.captured import CapturedStep, check_graphable
 
 gpu = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -56,6 +58,92 @@ def test_the_trainer_refuses_before_it_changes_anything():
         Trainer(model, optimizer, "bf16", device="cpu", graph_optimizer_step=True)
     assert optimizer.param_groups[0]["fused"] is None and not optimizer.state
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+# When to capture anew, on the CPU: a stand-in records "captures" and replays nothing --------------------
+
+
+class _NoGraph:
+    def replay(self):
+        pass
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """A CapturedStep over a fused CPU SGD with momentum buffers, whose capture makes a graph that does nothing."""
+    monkeypatch.setattr(CapturedStep, "_record", lambda self, params, ones: _NoGraph())
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()  # the momentum buffers: a graph is captured only over state that exists
+    step = CapturedStep(opt)
+    assert step.step(params) is not None and step.captures == 1
+    return step, opt, params
+
+
+def _captures_after(step, params):
+    found = step.step(params)
+    return None if found is None else step.captures
+
+
+@pytest.mark.parametrize("change", [
+    lambda opt, params: opt.state[params[0]].__setitem__("momentum_buffer", torch.zeros_like(params[0])),
+    lambda opt, params: opt.state.__setitem__(params[1], dict(opt.state[params[1]])),
+    lambda opt, params: opt.load_state_dict(opt.state_dict()),
+    lambda opt, params: setattr(params[0], "data", params[0].data.clone()),
+    lambda opt, params: opt.param_groups[0].__setitem__("momentum", 0.8),
+    lambda opt, params: opt.param_groups[0].__setitem__("weight_decay", 1e-4),
+    lambda opt, params: setattr(params[2], "grad", None),
+], ids=["state-entry", "state-dict", "load", "new-data", "momentum", "weight-decay", "no-grad"])
+def test_what_the_graph_was_captured_over_changing_means_a_new_capture(recorded, change):
+    step, opt, params = recorded
+    assert _captures_after(step, params) == 1  # nothing changed: replayed
+    change(opt, params)
+    assert _captures_after(step, params) == 2
+
+
+def test_a_new_lr_is_filled_into_the_graphs_lr_and_a_tensor_lr_gives_up(recorded):
+    step, opt, params = recorded
+    opt.param_groups[0]["lr"] = 0.05
+    assert _captures_after(step, params) == 1 and step._lrs[0][0].item() == pytest.approx(0.05)
+    opt.param_groups[0]["lr"] = torch.tensor(0.05)
+    assert step.step(params) is None and "tensor LR" in step.given_up
+
+
+def test_settings_that_change_within_100_steps_three_times_give_up(recorded):
+    step, opt, params = recorded
+    for i in range(2):
+        opt.param_groups[0]["momentum"] = 0.8 - 0.1 * i
+        assert _captures_after(step, params) == 2 + i
+    opt.param_groups[0]["momentum"] = 0.5  # the third change
+    assert step.step(params) is None and "changed 3 times within 100 steps" in step.given_up
+
+
+def test_hooks_and_steps_without_gradients_stay_eager(recorded):
+    step, opt, params = recorded
+    handle = opt.register_step_post_hook(lambda *args: None)
+    assert step.step(params) is None and step.given_up is None
+    handle.remove()
+    for p in params:
+        p.grad = None
+    assert step.step(params) is None and step.given_up is None and step.replays == 1
+
+
+def test_the_engine_warns_once_and_drops_a_graph_that_gave_up(recorded):
+    from precisionloop.engine import StepEngine
+
+    step, opt, params = recorded
+    engine = StepEngine(nn.Linear(1, 1), opt, torch.device("cpu"), loss_of=None, scheduler=None, grad_accum_steps=1,
+                        max_grad_norm=None, max_consecutive_skips=3, distributed=None)
+    engine.captured, engine.micro = step, 1
+    opt.param_groups[0]["lr"] = torch.tensor(0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # raised as an error: the graph is dropped first, so it does not repeat
+        with pytest.raises(RuntimeWarning, match="runs eagerly from now on: a tensor LR"):
+            engine._replay()
+    assert engine.captured is None
 
 
 # On CUDA -------------------------------------------------------------------------------------------------
