@@ -272,13 +272,17 @@ class CapturedStep:
 
 def _undo_capture(graph: Any, side: Any, current: Any, device_index: int, counts: list) -> None:
     """After a failed capture: end a capture left open (an interrupt inside ``torch.cuda.graph``'s entry), make the
-    caller's stream and device current again, and put back Adam's step counts."""
-    if side is not None and side.is_capturing() and graph is not None:
-        with torch.cuda.stream(side):
-            graph.capture_end()
-    if torch.cuda.current_stream(current.device) != current:  # a failed capture_end skips restoring it
-        torch.cuda.set_stream(current)
-    torch.cuda.set_device(device_index)
+    caller's stream and device current again, and put back Adam's step counts. Each part runs whatever the one
+    before raised: the counts matter most."""
+    with contextlib.suppress(Exception):
+        if graph is not None and side is not None:
+            with torch.cuda.stream(side):
+                if torch.cuda.is_current_stream_capturing():
+                    graph.capture_end()
+    with contextlib.suppress(Exception):
+        if torch.cuda.current_stream(current.device) != current:  # a failed capture_end skips restoring it
+            torch.cuda.set_stream(current)
+        torch.cuda.set_device(device_index)
     torch.cuda.synchronize(current.device)
     for count, saved in counts:
         count.copy_(saved)
