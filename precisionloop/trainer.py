@@ -67,11 +67,11 @@ class Trainer:
             and AdamW (whose fused kernels take sharded parameters).
         graph_optimizer_step: on CUDA, capture the guarded optimizer step (the inf/NaN check and a
             fused SGD, Adam or AdamW update) as one CUDA graph and replay it each step, which saves
-            the optimizer's host time on launch-bound steps; results are bit for bit the eager
-            step's with each LR rounded to fp32 (the graph reads it from a tensor). It costs one more gradient-sized buffer and a copy per step. bf16 and fp32
-            only, no clipping, not distributed; partial windows and probed steps run eagerly, and
-            so does every step after a warning if the optimizer's settings keep changing. See
-            :mod:`precisionloop.captured`.
+            the optimizer's host time on launch-bound steps. Results are bit for bit the eager
+            step's with each LR rounded to fp32 (the graph reads it from a tensor). It costs one
+            more gradient-sized buffer and a copy per step. bf16 and fp32 only, no clipping, not
+            distributed; partial windows and probed steps run eagerly, and so does every step after
+            a warning if the optimizer's settings keep changing. See :mod:`precisionloop.captured`.
         autotune: with ``precision="auto"``, choose the configuration by measuring:
             the first ``step`` runs :func:`precisionloop.autotune` on copies of the model
             with that first batch (compiled candidates too when ``compile=True``), prints
@@ -126,6 +126,8 @@ class Trainer:
         _check_optimizer(model, optimizer)
         _dist.check_optimizer(optimizer, self.distributed)
         mode = compile_mode(compile, self.device)
+        if not isinstance(graph_optimizer_step, bool):
+            raise ValueError(f"graph_optimizer_step must be True or False, got {graph_optimizer_step!r}")
         if graph_optimizer_step:
             check_graphable(self.device, policy.make_guard(self.device.type), optimizer,
                             will_fuse=fuse_optimizer and fusable(optimizer, model), max_grad_norm=max_grad_norm,
@@ -143,7 +145,7 @@ class Trainer:
                                  scheduler=None if loop.is_plateau(scheduler) else scheduler,
                                  grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
                                  max_consecutive_skips=max_consecutive_skips, distributed=self.distributed,
-                                 graph_optimizer_step=bool(graph_optimizer_step))
+                                 graph_optimizer_step=graph_optimizer_step)
         self._autotune_compile = compile if autotune else None  # the choice waits for the first batch
         self._configure(policy, mode, prepare=not autotune)
         if _dist.is_main():

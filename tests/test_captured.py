@@ -54,6 +54,8 @@ def test_the_trainer_refuses_before_it_changes_anything():
     model = tiny_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="graph_optimizer_step must be True or False, got 'yes'"):
+        Trainer(model, optimizer, "bf16", device="cpu", graph_optimizer_step="yes")
     with pytest.raises(ValueError, match="the device is cpu"):
         Trainer(model, optimizer, "bf16", device="cpu", graph_optimizer_step=True)
     assert optimizer.param_groups[0]["fused"] is None and not optimizer.state
