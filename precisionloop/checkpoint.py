@@ -277,7 +277,7 @@ def restore_trainer(trainer, state: dict) -> None:
     engine, loop = trainer.engine, trainer.loop_state
     engine.discard_verdicts()  # not booked: the counters, stats and scheduler they would change are replaced below
     engine.discard_window()  # gradients of an open window belong to the run being replaced
-    engine.forget_graph()  # a load may clear the optimizer state in place, where the graph would not see it
+    engine.forget_graph()  # the state it steps is replaced: captured anew, and not counted as a settings change
     load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], engine.distributed)
     if trainer.scheduler is not None and state.get("scheduler") is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])

@@ -408,7 +408,11 @@ class StepEngine:
         self._book()
 
     def forget_graph(self) -> None:
-        """Drop the captured step's graph, if any: a load replaces the optimizer state it steps."""
+        """Drop the captured step's graph, if any: a load replaces the optimizer state it steps.
+
+        The graph's own checks would see the new state too; dropping it here frees its memory at once, and the
+        next capture does not count towards giving up (that is for settings changed again and again).
+        """
         if self.captured is not None:
             self.captured.invalidate()
 
