@@ -45,36 +45,68 @@ class GradientGuard(Protocol):
 
 
 class _FirstStepCheck:
-    """Whether a fused SGD with momentum still lacks momentum buffers, checked until it has them.
+    """Whether a fused SGD with momentum lacks a momentum buffer for a parameter it is about to step.
 
     torch's fused SGD allocates the buffers with ``empty_like`` and fills them in the
     kernel; a step skipped on the device leaves them uninitialised, and the next step
     reads garbage into the weights. torch's own fp16 recipe (``GradScaler.step``) is hit
-    the same way. Until the buffers exist, the skip is decided on the host instead. Once
-    they do, the check costs one count per step (parameters added later are checked again).
+    the same way. Until the buffers exist, the skip is decided on the host instead.
+
+    Buffers go missing when the state is cleared (``optimizer.state.clear()``, a load of a
+    run saved before its first step) and are missing for a parameter whose first gradient
+    comes late (a branch not taken at first). So the last scan is trusted only while the
+    parameter count, the state object and its size are unchanged and none of the parameters
+    then without a buffer has a gradient: a few comparisons a step, no loop over every parameter.
     """
 
     def __init__(self) -> None:
-        self._ready_at = -1  # the parameter count at which every buffer was found
+        self._key: tuple[int, int, int] | None = None  # (parameters, id of the state, its size) at the last scan
+        self._waiting: list[torch.Tensor] = []  # fused-SGD parameters without a buffer then (no gradient either)
 
     def needs_host(self, optimizer: torch.optim.Optimizer) -> bool:
-        count = sum(len(g["params"]) for g in optimizer.param_groups)
-        if count == self._ready_at:
+        state = optimizer.state
+        key = (sum(len(g["params"]) for g in optimizer.param_groups), id(state), len(state))
+        if key == self._key and not any(p.grad is not None for p in self._waiting):
             return False
+        waiting = []
         for group in optimizer.param_groups:
             if group.get("fused") and group.get("momentum", 0) != 0:
                 for p in group["params"]:
-                    if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
-                        return True
-        self._ready_at = count
+                    if state.get(p, {}).get("momentum_buffer") is None:
+                        if p.grad is not None:
+                            return True
+                        waiting.append(p)
+        self._key, self._waiting = key, waiting
         return False
+
+
+def _host_decided_step(optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
+    """``step()``, unless a fused SGD group mixes parameters with and without momentum buffers.
+
+    torch's fused SGD raises on such a mix (it starts buffers only when none exists), where the
+    default SGD starts each new one by itself; so such a step runs the default implementation on
+    those groups (the gradients are unscaled by then), and the fused one again after.
+    """
+    mixed = [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
+             and len({optimizer.state.get(p, {}).get("momentum_buffer") is None
+                      for p in g["params"] if p.grad is not None}) == 2]
+    if not mixed:
+        step()
+        return
+    for group in mixed:
+        group["fused"] = False
+    try:
+        optimizer.step()
+    finally:
+        for group in mixed:
+            group["fused"] = True
 
 
 def _step_under_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, first: _FirstStepCheck) -> None:
     if _compat.skips_on_device(optimizer) and not first.needs_host(optimizer):
         _compat.step_with_verdict(optimizer, found_inf)  # skipped on the device: no host sync
     elif not found_inf.item():  # nothing else guards the weights: the one host sync
-        optimizer.step()
+        _host_decided_step(optimizer, optimizer.step)
 
 
 def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | None = None,
@@ -128,7 +160,7 @@ class ScalerGuard:
         if self._first.needs_host(optimizer):
             # Decide on the host this once; update() still backs off, since unscale_ recorded the verdict.
             if not found_inf.item():
-                self.scaler.step(optimizer)
+                _host_decided_step(optimizer, lambda: self.scaler.step(optimizer))
             return
         self.scaler.step(optimizer)  # fused optimizers skip on the device, others sync inside GradScaler
 

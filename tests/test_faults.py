@@ -122,6 +122,72 @@ def test_fused_sgd_first_step_skipped_is_a_no_op(precision, poisoned_empty):
     assert t.stats.skipped == 1 and ref.stats.skipped == 0
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("reset", ["state.clear", "load of a run saved before its first step"])
+def test_fused_sgd_step_skipped_after_its_state_was_reset_is_a_no_op(precision, reset, poisoned_empty, tmp_path):
+    """The first-step check is redone once the momentum buffers are gone, whatever the parameter count says."""
+    m, t = mk(precision, opt=fused_sgd)
+    ref_m, ref = mk(precision, opt=fused_sgd)
+    t.save(tmp_path / "before.pt")
+    for trainer in (t, ref):
+        trainer.step(batch(2))
+        trainer.step(batch(3))
+        if reset == "state.clear":
+            trainer.optimizer.state.clear()
+        else:
+            trainer.load(tmp_path / "before.pt")
+    loss_fn, t.loss_fn = t.loss_fn, NAN_LOSS
+    assert t.step(B).skipped  # the buffers' first step, skipped: it must not leave them uninitialised
+    t.loss_fn = loss_fn
+    t.step(batch(4))
+    ref.step(batch(4))
+    for p in m.parameters():
+        assert torch.isfinite(t.optimizer.state[p]["momentum_buffer"]).all(), "garbage momentum buffer"
+    assert same_models(m, ref_m) and same_state(t.optimizer.state_dict(), ref.optimizer.state_dict())
+
+
+class _TwoHeads(nn.Module):
+    """A head used only once ``late`` is set: its parameters' first gradient comes after the others' buffers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(16, 3)
+        self.late = False
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.a(h) + self.b(h) if self.late else self.a(h)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("skip_first_late_step", [False, True])
+def test_fused_sgd_trains_a_parameter_whose_first_gradient_comes_late(precision, skip_first_late_step):
+    """torch's fused SGD raises on a mix of parameters with and without momentum buffers; the guard steps that
+    step with torch's default SGD, as if the optimizer had not been fused."""
+    runs = {}
+    for fused in (True, False):
+        model = _TwoHeads()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused or None)
+        t = Trainer(model, opt, FP16Policy(growth_interval=1000) if precision == "fp16" else precision, device="cpu")
+        for i in range(6):
+            model.late = i >= 2
+            if i == 2 and skip_first_late_step:
+                loss_fn, t.loss_fn = t.loss_fn, NAN_LOSS
+                assert t.step(batch(i)).skipped
+                t.loss_fn = loss_fn
+            else:
+                t.step(batch(i))
+        runs[fused] = (model, t)
+    (fused_model, fused_t), (plain_model, plain_t) = runs[True], runs[False]
+    assert fused_t.optimizer.param_groups[0]["fused"] is True  # put back after that step
+    assert fused_t.stats == plain_t.stats
+    for p, q in zip(fused_model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(fused_t.optimizer.state[p]["momentum_buffer"],
+                                   plain_t.optimizer.state[q]["momentum_buffer"])
+
+
 # 2 ----------------------------------------------------------------------------------------
 
 def test_save_before_first_step_changes_nothing(tmp_path):
