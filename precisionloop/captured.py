@@ -10,11 +10,12 @@ LR aside: the graph reads it from an fp32 tensor, so an LR that is not an fp32 n
 The price: one more gradient-sized buffer (the parameters' size in fp32) and one copy per step.
 
 A graph holds addresses and constants. It is replayed only while they still hold: the same
-parameters at the same addresses, each with a gradient, the same optimizer state and groups, the
-same hyperparameters and the same CUDA stream. A number LR may change (a scheduler's): the graph
-reads it from a device tensor, refilled when it changes. Anything else changed is captured again
-at the next step; a graph that keeps changing (changed three times, each within 100 steps of the capture before)
-is given up with a warning, and the eager step runs from then on, as it does for steps the graph
+parameters at the same addresses, each with a gradient, the same optimizer state and groups (the
+state's tensors at the same addresses too), the same hyperparameters and the same CUDA stream. A number
+LR may change (a scheduler's): the graph reads it from a device tensor, refilled when it changes.
+Anything else changed is captured again at the next step; a tensor LR or other tensor setting (which a
+kernel may read once, at capture), and a graph that keeps changing (changed three times, each within 100
+steps of the capture before), are given up with a warning, and the eager step runs from then on, as it does for steps the graph
 cannot take (a partial window, a probe, a missing gradient, optimizer step hooks).
 """
 
@@ -88,6 +89,8 @@ class CapturedStep:
         self._dicts: list[dict | None] = []  # each stepped parameter's optimizer state dict
         self._sizes: list[int] = []
         self._state_tensors: list[Any] = []  # the values of those dicts, in order
+        self._state_ptrs: list[int | None] = []  # their addresses (None for a value that is not a tensor)
+        self._all_tensors = True  # every one of those values is a tensor
         self._params: list[torch.Tensor] = []  # the stepped parameters' tensors, held
         self._quick = 0  # graphs in a row replaced after fewer than _QUICK_REPLAYS replays
         self._replays_at_capture = 0
@@ -141,7 +144,12 @@ class CapturedStep:
         dicts = list(map(self.optimizer.state.get, live))
         if not all(map(operator.is_, dicts, self._dicts)) or list(map(_size, dicts)) != self._sizes:
             return False
-        if not all(map(operator.is_, _values(dicts), self._state_tensors)):  # an entry replaced by hand
+        values = list(_values(dicts))
+        if not all(map(operator.is_, values, self._state_tensors)):  # an entry replaced by hand
+            return False
+        # The same tensor given new memory (.data =, swap_tensors). The values are the captured objects by now, so
+        # if those were all tensors (the usual case) the unbound method serves: half the cost of _address.
+        if list(map(torch.Tensor.data_ptr if self._all_tensors else _address, values)) != self._state_ptrs:
             return False
         return all(_same_settings(g, s) for g, s in zip(self.optimizer.param_groups, self._settings))
 
@@ -155,6 +163,10 @@ class CapturedStep:
         for group in opt.param_groups:
             if isinstance(group["lr"], torch.Tensor):
                 self._give_up("a tensor LR is not captured (the graph reads its own LR tensor)")
+                return False
+            tensor = next((k for k, v in group.items() if k not in ("params", "lr") and _holds_tensor(v)), None)
+            if tensor is not None:  # a fused kernel may read it once, at capture: a later in-place change would be missed
+                self._give_up(f"a tensor setting ({tensor!r}) is not captured; only the LR may change between steps")
                 return False
             needs = "momentum_buffer" if isinstance(opt, torch.optim.SGD) else "step"
             if isinstance(opt, torch.optim.SGD) and group["momentum"] == 0:
@@ -199,6 +211,8 @@ class CapturedStep:
         # The state's values and the parameters' tensors too, held so their memory is never another's while the graph
         # writes it: a parameter given new data (freed, then reallocated) can then never reappear at its old address.
         self._state_tensors = list(_values(self._dicts))
+        self._state_ptrs = list(map(_address, self._state_tensors))
+        self._all_tensors = None not in self._state_ptrs
         self._params = [p.detach() for p in params]
         self._held = self._objects()  # last: until it is set, the graph matches nothing
         self.captures += 1
@@ -254,15 +268,17 @@ class CapturedStep:
                 p.grad = g
 
     def invalidate(self) -> None:
-        """Drop the graph: the state it steps is being replaced (a load). The next step captures anew."""
+        """Drop the graph: the state it steps is being replaced (a load). The next step captures anew, and a run of
+        quick recaptures (towards giving up) starts again from zero."""
         self._release()
+        self._quick = 0
 
     def _release(self) -> None:
         """Drop the graph and its buffers, once the device is done with them."""
         if self._graph is not None and self._found.is_cuda:
             torch.cuda.synchronize(self._found.device)  # a replay may still be running
         self._graph, self._static, self._lrs, self._held, self._ones = None, [], [], (), None
-        self._dicts, self._state_tensors, self._params = [], [], []
+        self._dicts, self._state_tensors, self._state_ptrs, self._params = [], [], [], []
 
     def _give_up(self, why: str) -> None:
         """Stay eager for good (the engine warns once, naming ``why``)."""
@@ -297,18 +313,29 @@ def _size(state: dict | None) -> int:
     return -1 if state is None else len(state)
 
 
+def _address(value: Any) -> int | None:
+    return value.data_ptr() if isinstance(value, torch.Tensor) else None
+
+
+def _holds_tensor(value: Any) -> bool:
+    """A tensor, or a list or tuple holding one (Adam's ``betas`` may be a pair of tensors)."""
+    return isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple))
+                                               and any(isinstance(v, torch.Tensor) for v in value))
+
+
 def _values(dicts: list[dict | None]) -> Any:
     """Every value of the dicts, in order (None for a parameter without state contributes nothing)."""
     return itertools.chain.from_iterable(map(dict.values, filter(None, dicts)))
 
 
 def _same_settings(group: dict, settings: list[tuple[str, Any]]) -> bool:
-    """The group's settings (LR and parameters aside) are those captured; tensors by identity (never compared)."""
+    """The group's settings (LR and parameters aside) are those captured; a tensor (or a pair of them) by identity,
+    never compared (that would sync), and never captured anyway (``_state_ready``)."""
     if len(group) != len(settings) + 2:
         return False
     for key, value in settings:
         now = group.get(key, _MISSING)
-        if now is not value and (isinstance(now, torch.Tensor) or isinstance(value, torch.Tensor) or now != value):
+        if now is not value and (_holds_tensor(now) or _holds_tensor(value) or now != value):
             return False
     return True
 

@@ -98,7 +98,10 @@ def _captures_after(step, params):
     lambda opt, params: opt.param_groups[0].__setitem__("momentum", 0.8),
     lambda opt, params: opt.param_groups[0].__setitem__("weight_decay", 1e-4),
     lambda opt, params: setattr(params[2], "grad", None),
-], ids=["state-entry", "state-dict", "load", "new-data", "momentum", "weight-decay", "no-grad"])
+    lambda opt, params: setattr(opt.state[params[0]]["momentum_buffer"], "data", torch.zeros_like(params[0])),
+    lambda opt, params: torch.utils.swap_tensors(opt.state[params[1]]["momentum_buffer"], torch.zeros_like(params[1])),
+], ids=["state-entry", "state-dict", "load", "new-data", "momentum", "weight-decay", "no-grad", "state-new-data",
+        "state-swapped"])
 def test_what_the_graph_was_captured_over_changing_means_a_new_capture(recorded, change):
     step, opt, params = recorded
     assert _captures_after(step, params) == 1  # nothing changed: replayed
@@ -112,6 +115,33 @@ def test_a_new_lr_is_filled_into_the_graphs_lr_and_a_tensor_lr_gives_up(recorded
     assert _captures_after(step, params) == 1 and step._lrs[0][0].item() == pytest.approx(0.05)
     opt.param_groups[0]["lr"] = torch.tensor(0.05)
     assert step.step(params) is None and "tensor LR" in step.given_up
+
+
+@pytest.mark.parametrize("key, value", [("momentum", torch.tensor(0.9)), ("betas", (torch.tensor(0.9), 0.99))])
+def test_a_tensor_setting_gives_up_the_graph(recorded, key, value):
+    """A kernel may read a tensor setting once, at capture: a later in-place change would go unseen."""
+    step, opt, params = recorded
+    opt.param_groups[0][key] = value
+    assert step.step(params) is None and f"a tensor setting ('{key}')" in step.given_up
+
+
+def test_a_state_value_that_is_not_a_tensor_is_matched_too(recorded):
+    step, opt, params = recorded
+    opt.state[params[0]]["note"] = 1.0  # one more entry: captured anew
+    assert _captures_after(step, params) == 2 and _captures_after(step, params) == 2  # then replayed
+    setattr(opt.state[params[1]]["momentum_buffer"], "data", torch.zeros_like(params[1]))
+    assert _captures_after(step, params) == 3
+
+
+def test_a_load_starts_the_count_of_quick_recaptures_again(recorded):
+    step, opt, params = recorded
+    for i in range(2):  # two quick recaptures: one more in a row would give up
+        opt.param_groups[0]["momentum"] = 0.8 - 0.1 * i
+        assert _captures_after(step, params) == 2 + i
+    step.invalidate()  # as a load does
+    assert _captures_after(step, params) == 4
+    opt.param_groups[0]["momentum"] = 0.5
+    assert _captures_after(step, params) == 5 and step.given_up is None
 
 
 def test_settings_that_change_within_100_steps_three_times_give_up(recorded):
@@ -319,6 +349,74 @@ def test_state_cleared_or_replaced_in_place_is_captured_anew():
             t.step(batch)
     _assert_same(eager, graphed)
     assert graphed.engine.captured.captures == 3
+
+
+@gpu
+def test_state_given_new_memory_is_captured_anew():
+    """The same state tensors given new memory (the old is freed): the graph must not go on writing the old."""
+    eager, graphed = _trainer(OPTIMIZERS["adamw"], False), _trainer(OPTIMIZERS["adamw"], True)
+    data = _data(10, nan_at=())
+    for t in (eager, graphed):
+        for batch in data[:4]:
+            t.step(batch)
+        for state in t.optimizer.state.values():
+            for v in state.values():
+                v.data = v.data.clone()
+        for batch in data[4:]:
+            t.step(batch)
+    _assert_same(eager, graphed)
+    assert graphed.engine.captured.captures == 2
+
+
+@gpu
+def test_tensor_betas_give_up_the_graph_and_step_as_the_eager_step():
+    """Fused Adam reads host-tensor betas once, at capture: a graph would miss the in-place change below."""
+    def make(params):
+        return torch.optim.Adam(params, lr=2**-7, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+
+    eager, graphed = (_trainer(make, g, False) for g in (False, True))
+    data = _data(8, nan_at=())
+    with pytest.warns(RuntimeWarning, match=r"a tensor setting \('betas'\) is not captured"):
+        for t in (eager, graphed):
+            for batch in data[:4]:
+                t.step(batch)
+            t.optimizer.param_groups[0]["betas"][0].fill_(0.5)
+            for batch in data[4:]:
+                t.step(batch)
+    _assert_same(eager, graphed)
+    assert graphed.engine.captured is None
+
+
+class _LateHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.late_head = tiny_mlp(), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.late = False
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h) + self.late_head(h) if self.late else self.head(h)
+
+
+@gpu
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_default_sgd_trains_a_head_first_used_late(graphed):
+    """The Trainer fuses a default SGD; torch's fused SGD raises on a head whose first gradient comes after the
+    other parameters' momentum buffers exist. That step runs torch's default SGD, so it trains as unfused."""
+    runs = []
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        model = _LateHead()
+        t = Trainer(model, torch.optim.SGD(model.parameters(), lr=2**-4, momentum=0.9), "bf16", device="cuda",
+                    fuse_optimizer=fuse, graph_optimizer_step=graphed and fuse)
+        for i, batch in enumerate(_data(10, nan_at=(4,))):
+            model.late = i >= 4  # its first step is skipped (NaN), the next one starts its buffers
+            t.step(batch)
+        runs.append((model, t))
+    (a, ta), (b, tb) = runs
+    assert ta.optimizer.param_groups[0]["fused"] is True and ta.stats == tb.stats and ta.stats.skipped == 1
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
 
 
 @gpu
