@@ -189,6 +189,8 @@ class CapturedStep:
         self._release()
         device = grads[0].device
         try:
+            # First: a state value without memory of its own (a sparse tensor) has no address to match, so give up.
+            state_ptrs = list(map(_address, _values([self.optimizer.state.get(p) for p in params])))
             self._static = [torch.empty_like(g) for g in grads]
             self._found = torch.zeros((), dtype=torch.float32, device=device)
             # Held for the graph's life: it keeps raw addresses, and a freed tensor's memory is soon another's.
@@ -211,7 +213,7 @@ class CapturedStep:
         # The state's values and the parameters' tensors too, held so their memory is never another's while the graph
         # writes it: a parameter given new data (freed, then reallocated) can then never reappear at its old address.
         self._state_tensors = list(_values(self._dicts))
-        self._state_ptrs = list(map(_address, self._state_tensors))
+        self._state_ptrs = state_ptrs
         self._all_tensors = None not in self._state_ptrs
         self._params = [p.detach() for p in params]
         self._held = self._objects()  # last: until it is set, the graph matches nothing

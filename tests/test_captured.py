@@ -133,6 +133,13 @@ def test_a_state_value_that_is_not_a_tensor_is_matched_too(recorded):
     assert _captures_after(step, params) == 3
 
 
+def test_a_state_value_without_an_address_gives_up_the_graph(recorded):
+    step, opt, params = recorded
+    opt.state[params[0]]["extra"] = torch.zeros(3).to_sparse()
+    assert step.step(params) is None and step.given_up.startswith("capture failed: RuntimeError")
+    assert step.step(params) is None  # and stays eager, without raising
+
+
 def test_a_load_starts_the_count_of_quick_recaptures_again(recorded):
     step, opt, params = recorded
     for i in range(2):  # two quick recaptures: one more in a row would give up

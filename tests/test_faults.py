@@ -122,7 +122,7 @@ def test_fused_sgd_first_step_skipped_is_a_no_op(precision, poisoned_empty):
     assert t.stats.skipped == 1 and ref.stats.skipped == 0
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("reset", ["state.clear", "load of a run saved before its first step"])
 def test_fused_sgd_step_skipped_after_its_state_was_reset_is_a_no_op(precision, reset, poisoned_empty, tmp_path):
     """The first-step check is redone once the momentum buffers are gone, whatever the parameter count says."""
@@ -144,6 +144,41 @@ def test_fused_sgd_step_skipped_after_its_state_was_reset_is_a_no_op(precision, 
     for p in m.parameters():
         assert torch.isfinite(t.optimizer.state[p]["momentum_buffer"]).all(), "garbage momentum buffer"
     assert same_models(m, ref_m) and same_state(t.optimizer.state_dict(), ref.optimizer.state_dict())
+
+
+def _switch_momentum_on(trainer, model):
+    for group in trainer.optimizer.param_groups:
+        group["momentum"] = 0.9
+
+
+def _replace_the_head(trainer, model):
+    torch.manual_seed(5)
+    model[3] = nn.Linear(16, 3)  # a new head, as many parameters: the group's list is replaced, not edited
+    trainer.optimizer.param_groups[1]["params"] = list(model[3].parameters())
+
+
+@pytest.mark.parametrize("change", [_switch_momentum_on, _replace_the_head], ids=["momentum-on", "new-head"])
+def test_fused_sgd_step_skipped_after_its_groups_changed_is_a_no_op(change, poisoned_empty):
+    """The parameter count and the state are as they were, yet some parameters have no momentum buffer now."""
+    models = []
+    for skip in (True, False):
+        m = net()
+        momentum = 0.0 if change is _switch_momentum_on else 0.9
+        opt = torch.optim.SGD([{"params": list(m[0].parameters())}, {"params": list(m[3].parameters())}], lr=0.1,
+                              momentum=momentum, fused=True)
+        t = Trainer(m, opt, "fp32", device="cpu")
+        t.step(batch(2))
+        t.step(batch(3))
+        change(t, m)
+        if skip:
+            loss_fn, t.loss_fn = t.loss_fn, NAN_LOSS
+            assert t.step(B).skipped
+            t.loss_fn = loss_fn
+        t.step(batch(4))
+        for p in m.parameters():
+            assert torch.isfinite(t.optimizer.state[p]["momentum_buffer"]).all(), "garbage momentum buffer"
+        models.append(m)
+    assert same_models(*models)
 
 
 class _TwoHeads(nn.Module):
