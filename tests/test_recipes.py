@@ -37,6 +37,7 @@ def test_benchmark_recipe_blocks_time_both_systems_side_by_side(tmp_path, capsys
                          "--blocks", "2", "--json", str(out)])
     assert "in 2 alternating blocks" in capsys.readouterr().out
     assert resnet18_bench.parse_args(["--device", "cpu"]).blocks == 1  # the CPU default: one system at a time
+
     data = json.loads(out.read_text())
     assert {r["system"] for r in data["results"]} == {"precisionloop", "hand"}
     for r in data["results"]:
@@ -85,6 +86,14 @@ def test_benchmark_recipe_times_a_transformer(tmp_path, capsys):
         assert (s["model"], s["layers"], s["d_model"], s["d_ff"], s["heads"], s["seq_len"], s["vocab"]) == (
             "transformer", 1, 32, 64, 2, 8, 64)
         assert s["image_size"] is None and s["channels_last"] is None and s["optimizer"] == "sgd"
+
+
+def test_benchmark_recipe_alternates_step_by_step_on_cuda(monkeypatch):
+    monkeypatch.setattr(resnet18_bench, "_parse_device", lambda p, text: __import__("torch").device("cuda", 0))
+    args = resnet18_bench.parse_args([])
+    assert args.blocks == args.iters == 50
+    assert resnet18_bench._alternation(args) == ", alternating step by step"
+    assert resnet18_bench._alternation(resnet18_bench.parse_args(["--blocks", "5"])) == " in 5 alternating blocks"
 
 
 def test_benchmark_recipe_transformer_cpu_defaults_are_tiny_and_reference_on_cuda(monkeypatch):

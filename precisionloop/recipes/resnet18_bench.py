@@ -4,7 +4,7 @@ Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. The
 ``step`` is what is timed; a hand-written torch.amp loop with identical settings runs beside it
 in the same process, and the ratio of the two is the wrapper's cost. Each configuration is timed
 in several interleaved rounds (``precisionloop.measure.interleaved``), a fresh model and optimizer
-each round, on CUDA the two systems' timed steps alternating in blocks (``--blocks``), and reported
+each round, on CUDA the two systems' timed steps alternating step by step (``--blocks``), and reported
 as the median over rounds with the rounds' min-max spread.
 
 ``--model transformer`` times a Linear-heavy decoder stack (``precisionloop.recipes.models``) on
@@ -310,8 +310,9 @@ def _parser() -> argparse.ArgumentParser:
                         "each round; the median over rounds is reported with the min-max spread (default 3)")
     p.add_argument("--blocks", type=int, default=None,
                    help="alternating blocks each round's timed steps are split into, the round's systems built side by "
-                        "side, so the Trainer and the hand loop are timed within a fraction of a second of each other "
-                        "(default 5 on CUDA; 1 on the CPU: one system after the other, each alone in memory)")
+                        "side, so the Trainer and the hand loop are timed close together (default on CUDA: --iters, "
+                        "the systems alternating step by step, each step starting on an idle GPU; 1 on the CPU: one "
+                        "system after the other, each alone in memory)")
     p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default 224 on CUDA, 112 on the CPU; not for the transformer)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="force channels_last on or off (default: the policy's choice, on for CUDA)")
@@ -364,7 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or default_bs)
     args.iters = args.iters if args.iters is not None else (50 if cuda else 6)
     args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 2)
-    args.blocks = args.blocks if args.blocks is not None else (min(5, args.iters) if cuda else 1)
+    # Step by step on CUDA: at batch 32 the host bounds the step, and its speed drifts within a second; blocks of 10
+    # steps left the wrapper cost 0.96-1.20x from run to run, alternating every step 1.02-1.07x (RESULTS.md).
+    args.blocks = args.blocks if args.blocks is not None else (args.iters if cuda else 1)
     for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
                              ("--blocks", args.blocks, 1)):
         if value < low:
@@ -476,6 +479,12 @@ def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
     return policy
 
 
+def _alternation(args: argparse.Namespace) -> str:
+    if args.blocks == 1:
+        return ", one system at a time"
+    return ", alternating step by step" if args.blocks == args.iters else f" in {args.blocks} alternating blocks"
+
+
 def header(args: argparse.Namespace, env: dict) -> str:
     """What is timed, on what, how: the report's first lines."""
     optimizer = f"{'fused ' if args.fused else ''}{OPTIMIZERS[args.optimizer]}"
@@ -493,7 +502,7 @@ def header(args: argparse.Namespace, env: dict) -> str:
             f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
             f"{inputs}, {args.rounds} rounds (systems interleaved, a fresh model and optimizer "
             f"each) of {args.warmup} warm-up + {args.iters} timed steps"
-            f"{f' in {args.blocks} alternating blocks' if args.blocks > 1 else ', one system at a time'}"
+            f"{_alternation(args)}"
             "; median over rounds of per-round medians [min-max]"
             f" | channels_last: {layout}")
 
