@@ -15,8 +15,8 @@ state's tensors at the same addresses too), the same hyperparameters and the sam
 LR may change (a scheduler's): the graph reads it from a device tensor, refilled when it changes.
 Anything else changed is captured again at the next step; a tensor LR or other tensor setting (which a
 kernel may read once, at capture), and a graph that keeps changing (changed three times, each within 100
-steps of the capture before), are given up with a warning, and the eager step runs from then on, as it does for steps the graph
-cannot take (a partial window, a probe, a missing gradient, optimizer step hooks).
+steps of the capture before), are given up with a warning, and the eager step runs from then on, as it
+does for steps the graph cannot take (a partial window, a probe, a missing gradient, optimizer step hooks).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class CapturedStep:
                 self._give_up("a tensor LR is not captured (the graph reads its own LR tensor)")
                 return False
             tensor = next((k for k, v in group.items() if k not in ("params", "lr") and _holds_tensor(v)), None)
-            if tensor is not None:  # a fused kernel may read it once, at capture: a later in-place change would be missed
+            if tensor is not None:  # a fused kernel may read it once, at capture: a later in-place change goes unseen
                 self._give_up(f"a tensor setting ({tensor!r}) is not captured; only the LR may change between steps")
                 return False
             needs = "momentum_buffer" if isinstance(opt, torch.optim.SGD) else "step"
