@@ -186,11 +186,14 @@ class CapturedStep:
         if any(g.layout != torch.strided or type(g) is not torch.Tensor for g in grads):
             self._give_up("a gradient is sparse or a tensor subclass")
             return False
+        values = list(_values([self.optimizer.state.get(p) for p in params]))
+        if any(isinstance(v, torch.Tensor) and v.layout != torch.strided for v in values):
+            self._give_up("an optimizer state tensor is not dense, so it has no address to match")
+            return False
         self._release()
         device = grads[0].device
         try:
-            # First: a state value without memory of its own (a sparse tensor) has no address to match, so give up.
-            state_ptrs = list(map(_address, _values([self.optimizer.state.get(p) for p in params])))
+            state_ptrs = list(map(_address, values))
             self._static = [torch.empty_like(g) for g in grads]
             self._found = torch.zeros((), dtype=torch.float32, device=device)
             # Held for the graph's life: it keeps raw addresses, and a freed tensor's memory is soon another's.
@@ -212,7 +215,7 @@ class CapturedStep:
         self._sizes = list(map(_size, self._dicts))
         # The state's values and the parameters' tensors too, held so their memory is never another's while the graph
         # writes it: a parameter given new data (freed, then reallocated) can then never reappear at its old address.
-        self._state_tensors = list(_values(self._dicts))
+        self._state_tensors = values  # read before the capture, whose skipped warm-up replaces no state object
         self._state_ptrs = state_ptrs
         self._all_tensors = None not in self._state_ptrs
         self._params = [p.detach() for p in params]

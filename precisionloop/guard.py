@@ -170,7 +170,7 @@ class ScalerGuard:
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         if self._first.needs_host(optimizer):
-            # Decide on the host this once; update() still backs off, since unscale_ recorded the verdict.
+            # Decided on the host while a buffer is missing; update() still backs off, since unscale_ recorded the verdict.
             if not found_inf.item():
                 _host_decided_step(optimizer, lambda: self.scaler.step(optimizer))
             return

@@ -136,7 +136,7 @@ def test_a_state_value_that_is_not_a_tensor_is_matched_too(recorded):
 def test_a_state_value_without_an_address_gives_up_the_graph(recorded):
     step, opt, params = recorded
     opt.state[params[0]]["extra"] = torch.zeros(3).to_sparse()
-    assert step.step(params) is None and step.given_up.startswith("capture failed: RuntimeError")
+    assert step.step(params) is None and "optimizer state tensor is not dense" in step.given_up
     assert step.step(params) is None  # and stays eager, without raising
 
 

@@ -37,7 +37,6 @@ def test_benchmark_recipe_blocks_time_both_systems_side_by_side(tmp_path, capsys
                          "--blocks", "2", "--json", str(out)])
     assert "in 2 alternating blocks" in capsys.readouterr().out
     assert resnet18_bench.parse_args(["--device", "cpu"]).blocks == 1  # the CPU default: one system at a time
-
     data = json.loads(out.read_text())
     assert {r["system"] for r in data["results"]} == {"precisionloop", "hand"}
     for r in data["results"]:
