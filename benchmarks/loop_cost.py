@@ -10,7 +10,8 @@ model on the same GPU-resident batch: the hand loop (autocast, backward, optimiz
 check), ``Trainer.step``, and ``Trainer.fit`` over an epoch of --fit-steps batches with its progress
 bar on (per-step time = epoch time / steps). They are timed by
 ``precisionloop.measure.interleaved`` (fresh model and optimizer per system and round, rotating
-order, the timed steps alternating between the systems in --blocks blocks), and the wrapper cost
+order, the timed steps alternating between the systems step by step, as the recipe's do on CUDA, or in --blocks
+blocks; `fit`'s epoch by epoch), and the wrapper cost
 is the per-round ratio to the hand loop, paired in time.
 """
 
@@ -177,9 +178,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="resnet18")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--blocks", type=int, default=5,
-                   help="alternating blocks per round (measure.interleaved): the systems are timed side by side "
-                        "(fit: at most --fit-epochs blocks); 1 runs them one after the other")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="alternating blocks per round (measure.interleaved), so the systems are timed side by side; "
+                        "default: step by step (fit: epoch by epoch), as the recipe on CUDA; at most --iters "
+                        "(fit: --fit-epochs) blocks; 1 runs them one after the other")
     p.add_argument("--iters", type=int, default=40, help="timed steps (fit: timed epochs) per round")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--fit-steps", type=int, default=100,
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default=None, help="default: cuda (the cost that matters is on a GPU)")
     args = p.parse_args(argv)
-    if args.blocks < 1:
+    if args.blocks is not None and args.blocks < 1:
         p.error(f"--blocks must be >= 1, got {args.blocks}")
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     configs = DEFAULT_CONFIGS if args.configs is None else [DEFAULT_CONFIGS[int(i)] for i in args.configs.split(",")]
@@ -210,10 +212,10 @@ def main(argv: list[str] | None = None) -> dict:
             if wanted and i == 0:
                 print("\n".join(profiles(config, args, before, fit=fit)), flush=True)
         timings = interleaved(step_systems(config, args, before), rounds=args.rounds, iters=args.iters,
-                              warmup=args.warmup, device=args.device, blocks=min(args.blocks, args.iters))
+                              warmup=args.warmup, device=args.device, blocks=min(args.blocks or args.iters, args.iters))
         fits = {} if args.no_fit else interleaved(fit_systems(config, args, before), rounds=args.rounds,
                                                   iters=args.fit_epochs, warmup=2, device=args.device,
-                                                  blocks=min(args.blocks, args.fit_epochs))
+                                                  blocks=min(args.blocks or args.fit_epochs, args.fit_epochs))
         for name, m in fits.items():  # per-epoch times to per-step times
             m.rounds_ms = [t / args.fit_steps for t in m.rounds_ms]
             timings["hand (epochs)" if name == "hand" else name] = m

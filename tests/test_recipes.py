@@ -280,3 +280,24 @@ def test_peers_script_runs_and_skips_missing_peers(tmp_path, capsys):
         else:
             assert any(r.system == peer and r.error is None for r in results)
     assert json.loads(out.read_text())["results"]
+
+
+def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "loop_cost.py"
+    spec = importlib.util.spec_from_file_location("loop_cost_script", path)
+    loop_cost = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = loop_cost
+    spec.loader.exec_module(loop_cost)
+    out = tmp_path / "loop_cost.json"
+    report = loop_cost.main(["--device", "cpu", "--image-size", "16", "--configs", "0", "--rounds", "1", "--iters", "2",
+                             "--warmup", "1", "--fit-steps", "2", "--fit-epochs", "2", "--json", str(out)])
+    systems = report["configs"][0]["systems"]
+    assert set(systems) == {"hand", "step", "hand (epochs)", "fit"}
+    assert all(s["error"] is None and len(s["rounds_ms"]) == 1 for s in systems.values())
+    assert systems["step"]["vs_hand"] is not None and systems["fit"]["vs_hand"] is not None
+    assert json.loads(out.read_text())["configs"][0]["config"]["batch_size"] == 32
+    assert "bf16 b32 fused-sgd eager" in capsys.readouterr().out
