@@ -69,8 +69,8 @@ class Trainer:
             fused SGD, Adam or AdamW update) as one CUDA graph and replay it each step, which saves
             the optimizer's host time on launch-bound steps. Results are bit for bit the eager
             step's with each LR rounded to fp32 (the graph reads it from a tensor). It costs one
-            more gradient-sized buffer and a copy per step. bf16 and fp32 only, no clipping, not
-            distributed; partial windows and probed steps run eagerly, and so does every step after
+            more gradient-sized buffer and a copy per step. Not under fp16 (its loss scaler), no
+            clipping, not distributed; partial windows and probed steps run eagerly, and so does every step after
             a warning if the optimizer's settings keep changing. See :mod:`precisionloop.captured`.
         autotune: with ``precision="auto"``, choose the configuration by measuring:
             the first ``step`` runs :func:`precisionloop.autotune` on copies of the model

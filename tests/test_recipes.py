@@ -258,16 +258,24 @@ def test_grad_underflow_recipe_tiny_run(tmp_path, capsys):
     assert saved["fp16"]["dtype"] == "float16" and result["fp16"]["scale"] == 65536.0
 
 
-def test_peers_script_runs_and_skips_missing_peers(tmp_path, capsys):
+def _benchmark_script(name):
+    """A script of benchmarks/ (not a package) imported as a module."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).parent.parent / "benchmarks" / "peers.py"
-    spec = importlib.util.spec_from_file_location("peers_script", path)
-    peers = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = peers
-    spec.loader.exec_module(peers)
+    path = Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peers_script_runs_and_skips_missing_peers(tmp_path, capsys):
+    import importlib.util
+
+    peers = _benchmark_script("peers")
     out = tmp_path / "peers.json"
     results = peers.main([*TINY, "--batch-sizes", "2", "--precisions", "fp32,bf16", "--peer-precisions", "bf16",
                           "--json", str(out)])
@@ -283,15 +291,7 @@ def test_peers_script_runs_and_skips_missing_peers(tmp_path, capsys):
 
 
 def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).parent.parent / "benchmarks" / "loop_cost.py"
-    spec = importlib.util.spec_from_file_location("loop_cost_script", path)
-    loop_cost = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = loop_cost
-    spec.loader.exec_module(loop_cost)
+    loop_cost = _benchmark_script("loop_cost")
     out = tmp_path / "loop_cost.json"
     report = loop_cost.main(["--device", "cpu", "--image-size", "16", "--configs", "0", "--rounds", "1", "--iters", "2",
                              "--warmup", "1", "--fit-steps", "2", "--fit-epochs", "2", "--json", str(out)])
