@@ -6,6 +6,8 @@ and ``tests/test_compat.py`` pins each of them, so the break is loud, not silent
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch import nn
 from torch.optim import optimizer as _optimizer_module  # asked every step: imported once
@@ -76,6 +78,29 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: float) -> None:
 def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
     """Divide every tensor in place, in as few kernels as torch can."""
     torch._foreach_div_(tensors, divisor)
+
+
+def backend_flag_accessors() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
+    """A (getter, setter) pair per TF32 switch and for ``cudnn.benchmark``, in ``policy._read_flags``'s order.
+
+    torch >= 2.9: matmul's, cuDNN conv's and cuDNN RNN's ``fp32_precision``; before: matmul's and
+    cuDNN's ``allow_tf32``; then ``cudnn.benchmark``. Each getter is the C function the public
+    property calls, without its Python lookups: a step reads them all twice, and the properties
+    cost 0.7-2 us a read on a CPU where the functions cost 0.1. The setters stay the public
+    properties (a step writes only the flags that differ), so torch's own checks on a write hold,
+    ``torch.backends.disable_global_flags()`` among them.
+    """
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        def precision(op: str, owner: Any) -> tuple[Callable[[], str], Callable[[str], None]]:
+            return (lambda: torch._C._get_fp32_precision_getter("cuda", op),
+                    lambda value: setattr(owner, "fp32_precision", value))
+
+        tf32 = (precision("matmul", matmul), precision("conv", cudnn.conv), precision("rnn", cudnn.rnn))
+    else:
+        tf32 = ((torch._C._get_cublas_allow_tf32, lambda value: setattr(matmul, "allow_tf32", value)),
+                (torch._C._get_cudnn_allow_tf32, lambda value: setattr(cudnn, "allow_tf32", value)))
+    return (*tf32, (torch._C._get_cudnn_benchmark, lambda value: setattr(cudnn, "benchmark", value)))
 
 
 def compile_modes() -> list[str]:

@@ -219,11 +219,13 @@ class StepEngine:
         self._limit_hit: tuple[int, int, float | None] | None = None  # the skip limit, reached in rows being booked
         self.graph_optimizer_step = graph_optimizer_step  # checked by the Trainer (captured.check_graphable)
         self.captured: CapturedStep | None = None  # the step's CUDA graph, made anew in configure
+        self._kept_autocast: tuple[torch.autocast, bool] | None = None
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
         self.model, self.policy, self.guard, self.compile_mode = model, policy, guard, mode
         self.after_step = policy.optimizer_step_hook(model)
+        self._kept_autocast = None  # the policy's torch.autocast and the cache setting then (see _autocast)
         self.captured = CapturedStep(self.optimizer) if self.graph_optimizer_step else None
         self.last_scale = guard.scale_value()
         self.stats.scale = self.last_scale
@@ -266,7 +268,7 @@ class StepEngine:
         syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next
         # No gradient all-reduce on micro-steps that do not step; nothing to enter in one process.
         with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
-            with self.policy.autocast(self.device.type):
+            with self._autocast():
                 loss = self.loss_of(batch)
             scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
             self.guard.scale(scaled).backward()
@@ -291,6 +293,22 @@ class StepEngine:
                 f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. "
                 "Train eagerly with compile=False, or try another mode"
             ) from e
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The policy's autocast for this step: a ``torch.autocast`` it returned is kept and entered step after step.
+
+        As nanoGPT's loop does: making one costs ~20-30 us of host time on a CUDA host (its checks ask
+        the device's properties), as much as a kernel launch. Made again when the autocast weight
+        cache setting, which it reads when made, changes. Anything else a policy returns (a
+        generator's context manager cannot be entered twice) is asked for anew each step.
+        """
+        cache = torch.is_autocast_cache_enabled()
+        kept = self._kept_autocast
+        if kept is not None and kept[1] == cache:
+            return kept[0]
+        made = self.policy.autocast(self.device.type)
+        self._kept_autocast = (made, cache) if type(made) is torch.autocast else None
+        return made
 
     def flush(self) -> StepResult | None:
         """The optimizer step for an incomplete window, its gradients averaged over the micro-batches it holds.
@@ -328,7 +346,7 @@ class StepEngine:
             parts = [found_inf, loss] + ([] if scale is None else [scale])
             # With a scheduler each step is booked before the next: the LR must follow real steps only.
             height = 1 if self.scheduler is not None else self._verdicts_per_copy
-            verdict = self._verdicts.write(parts, height).unbind()  # found_inf, loss (and scale) as views, in one call
+            verdict = self._verdicts.write(parts, height)  # found_inf, loss (and scale): views of the row
             if scale is not None:
                 self.last_scale = verdict[2]
             done = True
@@ -347,8 +365,8 @@ class StepEngine:
 
     def _unscale_and_clip(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Unscale and check the gradients, rescale a partial window, probe, clip: (found_inf, grad_norm)."""
-        params = self.params()
-        grads = [g for p in params if (g := p.grad) is not None]  # .grad read once: ~0.1 us a parameter a step
+        # Straight from the groups, .grad read once: a list of the parameters first costs ~0.1 us each a step.
+        grads = [g for group in self.optimizer.param_groups for p in group["params"] if (g := p.grad) is not None]
         found_inf = self.guard.unscale_(self.optimizer, grads)
         if self.micro < self.grad_accum_steps:
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
@@ -356,7 +374,7 @@ class StepEngine:
             self.probe(self.global_step + 1)
         grad_norm = None
         if self.max_grad_norm is not None:
-            grad_norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            grad_norm = nn.utils.clip_grad_norm_(self.params(), self.max_grad_norm)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         return found_inf, grad_norm
 
@@ -492,6 +510,7 @@ class _VerdictBlocks:
     def __init__(self) -> None:
         self._rows: torch.Tensor | None = None  # this block, one row per optimizer step
         self._views: tuple[torch.Tensor, ...] = ()  # its rows, made once
+        self._values: tuple[torch.Tensor, ...] = ()  # the values of all its rows, row after row, made once
         self._filled = 0  # rows written and not yet copied
         self._device: torch.device | None = None
         self._stream_id: int | None = None  # the CUDA stream this block was written on (None on the CPU)
@@ -501,8 +520,8 @@ class _VerdictBlocks:
         self.unread: list[list[float]] = []  # rows on the host, not yet booked
         self.written = 0  # rows written, ever: tells the engine whether a step's write got that far
 
-    def write(self, parts: list[torch.Tensor], height: int) -> torch.Tensor:
-        """Stack ``parts`` into the next row of this block (of ``height`` rows) and return the row.
+    def write(self, parts: list[torch.Tensor], height: int) -> tuple[torch.Tensor, ...]:
+        """Stack ``parts`` into the next row of this block (of ``height`` rows); return the row's values, as views.
 
         fp32, or fp64 for a float64 loss, which keeps its digits. A new dtype, width or stream
         ends the block early (rare): its rows are read to the host at once, on its own stream.
@@ -518,7 +537,7 @@ class _VerdictBlocks:
             self._rows, self._views, self._filled = row.unsqueeze(0), (row,), 1
             self._device, self._stream_id = device, stream_id
             self.written += 1
-            return row
+            return row.unbind()
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
         if rows is None or rows.dtype != dtype or rows.shape[1] != len(parts) or stream_id != self._stream_id:
             if rows is not None:
@@ -528,13 +547,15 @@ class _VerdictBlocks:
                 self._rows, self._filled = None, 0  # read: not to be read again if what follows fails
             with torch.inference_mode(False):  # a flush under inference mode must not make a block later steps cannot write
                 rows = torch.empty((height, len(parts)), dtype=dtype, device=device)
+                # the rows, and each row's values, as views made once a block (one call each, not one a step)
                 self._rows, self._views, self._filled = rows, rows.unbind(), 0
+                self._values = rows.view(-1).unbind()
             self._device, self._stream_id = device, stream_id
-        row = self._views[self._filled]
-        torch.stack(parts, out=row)
+        filled, width = self._filled, len(parts)
+        torch.stack(parts, out=self._views[filled])
         self._filled += 1
         self.written += 1
-        return row
+        return self._values[filled * width:(filled + 1) * width]
 
     def copy_if_full(self) -> bool:
         """Queue the block's copy once it is full; True when its rows are on the host already (the CPU).
@@ -555,7 +576,7 @@ class _VerdictBlocks:
         if self._filled:
             with self._on_stream():
                 self.unread += self._rows[: self._filled].tolist()
-            self._rows, self._views, self._filled = None, (), 0
+            self._rows, self._views, self._values, self._filled = None, (), (), 0
         self.unread.append(values)
 
     def copy_stranded(self) -> None:
@@ -577,7 +598,7 @@ class _VerdictBlocks:
         Only once its copy is queued: an error (out of memory, Ctrl-C) before then loses no row.
         """
         pending = self._queue_copy(rows) if rows.is_cuda else (rows, None)
-        self._pending, self._rows, self._views, self._filled = pending, None, (), 0
+        self._pending, self._rows, self._views, self._values, self._filled = pending, None, (), (), 0
 
     def _queue_copy(self, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """A non-blocking copy of ``rows`` into the pinned buffer, and an event after it, on the current stream.

@@ -74,7 +74,12 @@ class PrecisionPolicy:
         object.__setattr__(self, "keep_fp32", fp32_modules.validate_keep_fp32(self.keep_fp32))  # frozen: normalise once
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
-        """A context manager for the forward pass and the loss."""
+        """A context manager for the forward pass and the loss.
+
+        The step keeps a ``torch.autocast`` returned here and enters it step after step (it asks
+        again when the autocast cache setting changes, or for a new policy); any other context
+        manager is asked for anew each step.
+        """
         if self.compute_dtype == torch.float32:
             # An explicit disabled autocast also switches off any autocast the caller opened.
             return torch.autocast(device_type, enabled=False)
@@ -502,22 +507,25 @@ def _tf32_flags(tf32: bool) -> tuple:
     return (tf32, tf32)
 
 
+_FLAGS = _compat.backend_flag_accessors()  # (getter, setter) per TF32 switch, then cudnn.benchmark's
+_GETTERS = tuple(get for get, _ in _FLAGS)
+
+
 def _read_flags() -> tuple[tuple, bool]:
-    cudnn = torch.backends.cudnn
-    if _NEW_TF32_API:
-        tf32 = (torch.backends.cuda.matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision)
-    else:
-        tf32 = (torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32)
-    return tf32, cudnn.benchmark
+    """The TF32 switches (``_tf32_flags``'s form) and ``cudnn.benchmark``, as set now."""
+    *tf32, benchmark = [get() for get in _GETTERS]
+    return tuple(tf32), benchmark
 
 
-def _write_flags(tf32: tuple, benchmark: bool) -> None:
-    cudnn = torch.backends.cudnn
-    if _NEW_TF32_API:
-        torch.backends.cuda.matmul.fp32_precision, cudnn.conv.fp32_precision, cudnn.rnn.fp32_precision = tf32
+def _write_flags(tf32: tuple, benchmark: bool, now: tuple[tuple, bool] | None = None) -> None:
+    """Set the flags; with ``now`` (what ``_read_flags`` returned), only those that differ from it."""
+    if now is None:
+        differ = range(len(_FLAGS))
     else:
-        torch.backends.cuda.matmul.allow_tf32, cudnn.allow_tf32 = tf32
-    cudnn.benchmark = benchmark
+        differ = [i for i, (a, b) in enumerate(zip((*tf32, benchmark), (*now[0], now[1]))) if a != b]
+    wanted = (*tf32, benchmark)
+    for i in differ:
+        _FLAGS[i][1](wanted[i])
 
 
 class _BackendFlags:
@@ -541,10 +549,10 @@ class _BackendFlags:
         saved = _read_flags()
         if saved != self._wanted:  # else already set (inside fit, or for the same policy): nothing to write or restore
             try:
-                _write_flags(*self._wanted)
+                _write_flags(*self._wanted, now=saved)  # those that differ: ~1 us a write, and a step makes two
             except BaseException:
                 with contextlib.suppress(Exception):  # a write refused midway (frozen cuDNN flags, say): undo the rest
-                    _write_flags(*saved)
+                    _write_flags(*saved, now=_read_flags())
                 raise
             self._saved = saved
         self._open = True
@@ -553,4 +561,4 @@ class _BackendFlags:
         self._open = False
         if self._saved is not None:
             saved, self._saved = self._saved, None
-            _write_flags(*saved)
+            _write_flags(*saved, now=_read_flags())  # what the block left, which it may have changed too

@@ -134,6 +134,29 @@ def test_forget_unscale_lets_the_next_step_unscale_again():
     scaler.unscale_(optimizer)  # no "already been called" error
 
 
+def test_backend_flag_getters_read_what_the_public_properties_read_and_the_setters_write_them():
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        public = [(matmul, "fp32_precision", "tf32", "ieee"), (cudnn.conv, "fp32_precision", "tf32", "ieee"),
+                  (cudnn.rnn, "fp32_precision", "tf32", "ieee")]
+    else:
+        public = [(matmul, "allow_tf32", True, False), (cudnn, "allow_tf32", True, False)]
+    public.append((cudnn, "benchmark", True, False))
+    accessors = _compat.backend_flag_accessors()
+    assert len(accessors) == len(public)
+    saved = [getattr(owner, name) for owner, name, _, _ in public]
+    try:
+        for (get, set_flag), (owner, name, a, b) in zip(accessors, public):
+            for value in (a, b):
+                setattr(owner, name, value)
+                assert get() == value
+                set_flag(b if value == a else a)
+                assert getattr(owner, name) == (b if value == a else a)
+    finally:
+        for (owner, name, _, _), value in zip(public, saved):
+            setattr(owner, name, value)
+
+
 def test_current_stream_id_is_none_off_cuda():
     assert _compat.current_stream_id(torch.device("cpu")) is None
 

@@ -337,7 +337,7 @@ def callers_flags():
 
 def _counting_writes(monkeypatch):
     writes, real = [], policy_mod._write_flags
-    monkeypatch.setattr(policy_mod, "_write_flags", lambda *flags: (writes.append(flags), real(*flags))[1])
+    monkeypatch.setattr(policy_mod, "_write_flags", lambda *flags, **kw: (writes.append(flags), real(*flags, **kw))[1])
     return writes
 
 

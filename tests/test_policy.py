@@ -203,8 +203,8 @@ def test_backend_flags_undo_a_write_refused_midway_and_can_be_entered_again(monk
     policy_mod._write_flags(*outside)
     real_write = policy_mod._write_flags
 
-    def refusing(tf32, benchmark):
-        real_write(tf32, outside[1])  # the TF32 flags change, then cuDNN refuses (as under disable_global_flags)
+    def refusing(tf32, benchmark, now=None):
+        real_write(tf32, outside[1], now=now)  # the TF32 flags change, then cuDNN refuses (as under disable_global_flags)
         if benchmark != outside[1]:
             raise RuntimeError("not allowed to set torch.backends.cudnn flags")
 
@@ -221,6 +221,45 @@ def test_backend_flags_undo_a_write_refused_midway_and_can_be_entered_again(monk
             assert _flags() == outside
     finally:
         real_write(policy_mod._tf32_flags(True), False)
+
+
+def test_backend_flags_under_torchs_frozen_flags_raise_and_leave_every_flag_as_it_was():
+    # torch refuses cudnn.benchmark writes after disable_global_flags(); the TF32 switch written before it is undone.
+    policy = BF16Policy()
+    outside = (policy_mod._tf32_flags(False), False)
+    policy_mod._write_flags(*outside)
+    torch.backends.disable_global_flags()
+    try:
+        with pytest.raises(RuntimeError, match="not allowed"), policy.backend_flags():
+            pass
+        assert _flags() == outside
+    finally:
+        # torch has no public undo; the flag lives in the globals of the function that reads it
+        torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+    assert not torch.backends.flags_frozen()
+
+
+def test_backend_flags_write_only_what_differs_and_restore_what_the_block_changed(monkeypatch):
+    policy = BF16Policy()  # TF32 and cudnn.benchmark on
+    written = []
+    flags = policy_mod._FLAGS
+    monkeypatch.setattr(policy_mod, "_FLAGS", tuple(
+        (get, lambda value, i=i, set_flag=set_flag: (written.append(i), set_flag(value))) for i, (get, set_flag) in enumerate(flags)))
+    outside = (policy_mod._tf32_flags(True), False)  # only cudnn.benchmark differs from the policy's
+    policy_mod._write_flags(*outside)
+    try:
+        written.clear()
+        with policy.backend_flags():
+            assert written == [len(flags) - 1] and _flags() == (policy_mod._tf32_flags(True), True)
+            torch.backends.cuda.matmul.allow_tf32 = False  # the block changes a flag the step did not write
+        assert _flags() == outside  # restored too
+        written.clear()
+        with policy.backend_flags():
+            pass
+        assert written == [len(flags) - 1] * 2  # set and restored: one flag each way
+    finally:
+        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
 
 
 def test_backend_flags_and_the_compiled_backward_setting_refuse_to_be_entered_twice_while_open():

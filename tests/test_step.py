@@ -300,7 +300,7 @@ def test_custom_policy_subclass_is_honoured():
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
     assert trainer.policy is policy and model.prepared_by == "counting-fp16"
     results = [trainer.step(b) for b in batches(2)]
-    assert policy.calls == 2
+    assert policy.calls == 1  # the torch.autocast it returned is kept (PrecisionPolicy.autocast says so)
     assert model.dtypes == [torch.bfloat16, torch.bfloat16]
     assert [r.scale for r in results] == [8.0, 16.0]
 
@@ -937,3 +937,57 @@ def test_the_policys_follow_up_runs_after_a_step_whose_booking_raised():
         trainer.step(data[1])  # on the CPU the step is booked at its end, after its follow-up
     trainer.step(data[2])
     assert hooks == [1, 2, 3] and trainer.global_step == trainer.stats.steps == 3
+
+
+class _AutocastSeen(nn.Module):
+    """A tiny MLP that records, inside forward, the autocast dtype and whether autocast's weight cache is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.seen = tiny_mlp(), []
+
+    def forward(self, x):
+        self.seen.append((torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+                          torch.is_autocast_cache_enabled()))
+        return self.net(x)
+
+
+def test_the_policys_torch_autocast_is_made_once_and_again_when_the_cache_setting_changes():
+    made = []
+
+    class Counting(BF16Policy):
+        def autocast(self, device_type):
+            made.append(device_type)
+            return super().autocast(device_type)
+
+    model = _AutocastSeen()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Counting(), device="cpu")
+    for b in batches(3):
+        trainer.step(b)
+    assert made == ["cpu"] and model.seen == [(torch.bfloat16, True)] * 3
+    assert not torch.is_autocast_enabled("cpu")  # left after each step
+    torch.set_autocast_cache_enabled(False)
+    try:
+        for b in batches(2):
+            trainer.step(b)
+    finally:
+        torch.set_autocast_cache_enabled(True)
+    assert made == ["cpu"] * 2 and model.seen[3:] == [(torch.bfloat16, False)] * 2
+    trainer.step(batches(1)[0])  # the setting back: made again
+    assert made == ["cpu"] * 3 and model.seen[-1] == (torch.bfloat16, True)
+
+
+def test_a_policy_whose_autocast_is_a_one_use_context_manager_gets_asked_every_step():
+    import contextlib
+
+    class OneUse(BF16Policy):
+        @contextlib.contextmanager
+        def autocast(self, device_type):  # a generator's context manager cannot be entered twice
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                yield
+
+    model = _AutocastSeen()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), OneUse(), device="cpu")
+    for b in batches(3):
+        trainer.step(b)
+    assert [dtype for dtype, _ in model.seen] == [torch.bfloat16] * 3
