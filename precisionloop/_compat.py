@@ -6,6 +6,7 @@ and ``tests/test_compat.py`` pins each of them, so the break is loud, not silent
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -91,16 +92,15 @@ def backend_flag_accessors() -> tuple[tuple[Callable[[], Any], Callable[[Any], N
     ``torch.backends.disable_global_flags()`` among them.
     """
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    # partials, not lambdas: calling one runs no Python frame
     if hasattr(matmul, "fp32_precision"):
-        def precision(op: str, owner: Any) -> tuple[Callable[[], str], Callable[[str], None]]:
-            return (lambda: torch._C._get_fp32_precision_getter("cuda", op),
-                    lambda value: setattr(owner, "fp32_precision", value))
-
-        tf32 = (precision("matmul", matmul), precision("conv", cudnn.conv), precision("rnn", cudnn.rnn))
+        tf32 = [(functools.partial(torch._C._get_fp32_precision_getter, "cuda", op),
+                 functools.partial(setattr, owner, "fp32_precision"))
+                for op, owner in (("matmul", matmul), ("conv", cudnn.conv), ("rnn", cudnn.rnn))]
     else:
-        tf32 = ((torch._C._get_cublas_allow_tf32, lambda value: setattr(matmul, "allow_tf32", value)),
-                (torch._C._get_cudnn_allow_tf32, lambda value: setattr(cudnn, "allow_tf32", value)))
-    return (*tf32, (torch._C._get_cudnn_benchmark, lambda value: setattr(cudnn, "benchmark", value)))
+        tf32 = [(torch._C._get_cublas_allow_tf32, functools.partial(setattr, matmul, "allow_tf32")),
+                (torch._C._get_cudnn_allow_tf32, functools.partial(setattr, cudnn, "allow_tf32"))]
+    return (*tf32, (torch._C._get_cudnn_benchmark, functools.partial(setattr, cudnn, "benchmark")))
 
 
 def compile_modes() -> list[str]:

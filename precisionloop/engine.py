@@ -514,6 +514,7 @@ class _VerdictBlocks:
         self._filled = 0  # rows written and not yet copied
         self._device: torch.device | None = None
         self._stream_id: int | None = None  # the CUDA stream this block was written on (None on the CPU)
+        self._kind: tuple | None = None  # the block's (dtype, width, stream id)
         self._pending: tuple[torch.Tensor, Any] | None = None  # a copy on its way to the host: (buffer, event)
         self._host: torch.Tensor | None = None  # the pinned buffer, reused: a copy is read before the next is queued
         self._event: Any = None
@@ -535,23 +536,24 @@ class _VerdictBlocks:
             if row.dtype not in (torch.float32, torch.float64):  # promoted from the parts: fp64 only for a float64 loss
                 row = row.float()
             self._rows, self._views, self._filled = row.unsqueeze(0), (row,), 1
-            self._device, self._stream_id = device, stream_id
+            self._device, self._stream_id, self._kind = device, stream_id, (row.dtype, len(parts), stream_id)
             self.written += 1
             return row.unbind()
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in parts) else torch.float32
-        if rows is None or rows.dtype != dtype or rows.shape[1] != len(parts) or stream_id != self._stream_id:
+        width = len(parts)
+        kind = (torch.float64 if torch.float64 in [t.dtype for t in parts] else torch.float32, width, stream_id)
+        if rows is None or kind != self._kind:  # the block's dtype, width and stream, kept to spare tensor queries
             if rows is not None:
                 self.receive()  # older rows first (none are on their way when a step writes: it booked them)
                 with self._on_stream():
                     self.unread += rows[: self._filled].tolist()
                 self._rows, self._filled = None, 0  # read: not to be read again if what follows fails
             with torch.inference_mode(False):  # a flush under inference mode must not make a block later steps cannot write
-                rows = torch.empty((height, len(parts)), dtype=dtype, device=device)
+                rows = torch.empty((height, width), dtype=kind[0], device=device)
                 # the rows, and each row's values, as views made once a block (one call each, not one a step)
                 self._rows, self._views, self._filled = rows, rows.unbind(), 0
                 self._values = rows.view(-1).unbind()
-            self._device, self._stream_id = device, stream_id
-        filled, width = self._filled, len(parts)
+            self._device, self._stream_id, self._kind = device, stream_id, kind
+        filled = self._filled
         torch.stack(parts, out=self._views[filled])
         self._filled += 1
         self.written += 1

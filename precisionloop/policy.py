@@ -509,6 +509,7 @@ def _tf32_flags(tf32: bool) -> tuple:
 
 _FLAGS = _compat.backend_flag_accessors()  # (getter, setter) per TF32 switch, then cudnn.benchmark's
 _GETTERS = tuple(get for get, _ in _FLAGS)
+_SETTERS = tuple(set_flag for _, set_flag in _FLAGS)
 
 
 def _read_flags() -> tuple[tuple, bool]:
@@ -517,15 +518,16 @@ def _read_flags() -> tuple[tuple, bool]:
     return tuple(tf32), benchmark
 
 
-def _write_flags(tf32: tuple, benchmark: bool, now: tuple[tuple, bool] | None = None) -> None:
-    """Set the flags; with ``now`` (what ``_read_flags`` returned), only those that differ from it."""
-    if now is None:
-        differ = range(len(_FLAGS))
-    else:
-        differ = [i for i, (a, b) in enumerate(zip((*tf32, benchmark), (*now[0], now[1]))) if a != b]
-    wanted = (*tf32, benchmark)
-    for i in differ:
-        _FLAGS[i][1](wanted[i])
+def _write_flags(tf32: tuple, benchmark: bool) -> None:
+    """Set the TF32 switches (``_tf32_flags``'s form) and ``cudnn.benchmark``."""
+    _set_differing((*tf32, benchmark), (None,) * len(_SETTERS))
+
+
+def _set_differing(wanted: tuple, now: tuple) -> None:
+    """Write each flag whose wanted value differs from ``now``'s (both flat, in ``_FLAGS``'s order)."""
+    for set_flag, value, was in zip(_SETTERS, wanted, now):
+        if value != was:
+            set_flag(value)
 
 
 class _BackendFlags:
@@ -533,26 +535,29 @@ class _BackendFlags:
 
     A class, not a generator: Trainer.step enters one every step. One object may be entered
     again after it exits, but not while it is open (its exit would restore the wrong flags).
+    It writes only the flags that differ (a read or write costs ~1 us of host time on some hosts,
+    and a standalone step sets and restores them), and on exit restores those that differ from
+    what is set then: the block may have changed some too.
     """
 
     __slots__ = ("_wanted", "_saved", "_open")
 
     def __init__(self, wanted: tuple[tuple, bool]):
-        self._wanted = wanted
-        self._saved: tuple[tuple, bool] | None = None
+        self._wanted = (*wanted[0], wanted[1])  # flat, as the getters return them
+        self._saved: tuple | None = None
         self._open = False
 
     def __enter__(self) -> None:
         if self._open:
             raise RuntimeError("this backend_flags() context is already open; call policy.backend_flags() again "
                                "for a nested one")
-        saved = _read_flags()
+        saved = tuple([get() for get in _GETTERS])
         if saved != self._wanted:  # else already set (inside fit, or for the same policy): nothing to write or restore
             try:
-                _write_flags(*self._wanted, now=saved)  # those that differ: ~1 us a write, and a step makes two
+                _set_differing(self._wanted, saved)
             except BaseException:
                 with contextlib.suppress(Exception):  # a write refused midway (frozen cuDNN flags, say): undo the rest
-                    _write_flags(*saved, now=_read_flags())
+                    _set_differing(saved, tuple([get() for get in _GETTERS]))
                 raise
             self._saved = saved
         self._open = True
@@ -561,4 +566,4 @@ class _BackendFlags:
         self._open = False
         if self._saved is not None:
             saved, self._saved = self._saved, None
-            _write_flags(*saved, now=_read_flags())  # what the block left, which it may have changed too
+            _set_differing(saved, tuple([get() for get in _GETTERS]))

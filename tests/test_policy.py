@@ -201,19 +201,17 @@ def test_backend_flags_undo_a_write_refused_midway_and_can_be_entered_again(monk
     policy = BF16Policy()
     outside = (policy_mod._tf32_flags(False), False)
     policy_mod._write_flags(*outside)
-    real_write = policy_mod._write_flags
+    real_write, setters = policy_mod._write_flags, policy_mod._SETTERS
 
-    def refusing(tf32, benchmark, now=None):
-        real_write(tf32, outside[1], now=now)  # the TF32 flags change, then cuDNN refuses (as under disable_global_flags)
-        if benchmark != outside[1]:
-            raise RuntimeError("not allowed to set torch.backends.cudnn flags")
+    def refusing(value):  # cuDNN's benchmark refused, after the TF32 flags were written (as under disable_global_flags)
+        raise RuntimeError("not allowed to set torch.backends.cudnn flags")
 
     try:
-        monkeypatch.setattr(policy_mod, "_write_flags", refusing)
+        monkeypatch.setattr(policy_mod, "_SETTERS", (*setters[:-1], refusing))
         with pytest.raises(RuntimeError, match="not allowed"), policy.backend_flags():
             pass
         assert _flags() == outside  # the TF32 half was undone
-        monkeypatch.setattr(policy_mod, "_write_flags", real_write)
+        monkeypatch.setattr(policy_mod, "_SETTERS", setters)
         flags = policy.backend_flags()
         for _ in range(2):  # one object, entered twice in turn
             with flags:
@@ -243,9 +241,9 @@ def test_backend_flags_under_torchs_frozen_flags_raise_and_leave_every_flag_as_i
 def test_backend_flags_write_only_what_differs_and_restore_what_the_block_changed(monkeypatch):
     policy = BF16Policy()  # TF32 and cudnn.benchmark on
     written = []
-    flags = policy_mod._FLAGS
-    monkeypatch.setattr(policy_mod, "_FLAGS", tuple(
-        (get, lambda value, i=i, set_flag=set_flag: (written.append(i), set_flag(value))) for i, (get, set_flag) in enumerate(flags)))
+    flags = policy_mod._SETTERS
+    monkeypatch.setattr(policy_mod, "_SETTERS", tuple(
+        lambda value, i=i, set_flag=set_flag: (written.append(i), set_flag(value)) for i, set_flag in enumerate(flags)))
     outside = (policy_mod._tf32_flags(True), False)  # only cudnn.benchmark differs from the policy's
     policy_mod._write_flags(*outside)
     try:
