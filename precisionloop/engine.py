@@ -219,13 +219,13 @@ class StepEngine:
         self._limit_hit: tuple[int, int, float | None] | None = None  # the skip limit, reached in rows being booked
         self.graph_optimizer_step = graph_optimizer_step  # checked by the Trainer (captured.check_graphable)
         self.captured: CapturedStep | None = None  # the step's CUDA graph, made anew in configure
-        self._kept_autocast: tuple[torch.autocast, bool] | None = None
+        self._kept_autocast: tuple[torch.autocast, tuple] | None = None
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
         self.model, self.policy, self.guard, self.compile_mode = model, policy, guard, mode
         self.after_step = policy.optimizer_step_hook(model)
-        self._kept_autocast = None  # the policy's torch.autocast and the cache setting then (see _autocast)
+        self._kept_autocast = None  # the policy's torch.autocast and the settings it was made under (see _autocast)
         self.captured = CapturedStep(self.optimizer) if self.graph_optimizer_step else None
         self.last_scale = guard.scale_value()
         self.stats.scale = self.last_scale
@@ -268,8 +268,11 @@ class StepEngine:
         syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next
         # No gradient all-reduce on micro-steps that do not step; nothing to enter in one process.
         with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
-            with self._autocast():
+            autocast, key = self._autocast()
+            with autocast:
                 loss = self.loss_of(batch)
+            if key is not None:
+                self._kept_autocast = (autocast, key)
             scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
             self.guard.scale(scaled).backward()
         self.unsynced = bool(self.distributed) and not syncs
@@ -294,21 +297,23 @@ class StepEngine:
                 "Train eagerly with compile=False, or try another mode"
             ) from e
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        """The policy's autocast for this step: a ``torch.autocast`` it returned is kept and entered step after step.
+    def _autocast(self) -> tuple[contextlib.AbstractContextManager, tuple | None]:
+        """The policy's autocast for this step, and the settings to keep it under (None: not to be kept).
 
-        As nanoGPT's loop does: making one costs ~20-30 us of host time on a CUDA host (its checks ask
-        the device's properties), as much as a kernel launch. Made again when the autocast weight
-        cache setting, which it reads when made, changes. Anything else a policy returns (a
-        generator's context manager cannot be entered twice) is asked for anew each step.
+        A ``torch.autocast`` the policy returned is kept and entered step after step, as nanoGPT's
+        loop does: making one costs ~10-30 us of host time on a CUDA host (its checks ask the
+        device's properties), as much as a kernel launch. It reads the autocast cache setting and
+        the default autocast dtype when made, so it is made again when either changes. It is taken
+        out while in use (it saves the state it restores on itself, so a nested step must not enter
+        it twice) and put back after. Anything else a policy returns (a generator's context manager
+        cannot be entered twice) is asked for anew each step.
         """
-        cache = torch.is_autocast_cache_enabled()
-        kept = self._kept_autocast
-        if kept is not None and kept[1] == cache:
-            return kept[0]
+        key = (torch.is_autocast_cache_enabled(), torch.get_autocast_dtype(self.device.type))
+        kept, self._kept_autocast = self._kept_autocast, None
+        if kept is not None and kept[1] == key:
+            return kept
         made = self.policy.autocast(self.device.type)
-        self._kept_autocast = (made, cache) if type(made) is torch.autocast else None
-        return made
+        return made, (key if type(made) is torch.autocast else None)
 
     def flush(self) -> StepResult | None:
         """The optimizer step for an incomplete window, its gradients averaged over the micro-batches it holds.
@@ -510,7 +515,6 @@ class _VerdictBlocks:
     def __init__(self) -> None:
         self._rows: torch.Tensor | None = None  # this block, one row per optimizer step
         self._views: tuple[torch.Tensor, ...] = ()  # its rows, made once
-        self._values: tuple[torch.Tensor, ...] = ()  # the values of all its rows, row after row, made once
         self._filled = 0  # rows written and not yet copied
         self._device: torch.device | None = None
         self._stream_id: int | None = None  # the CUDA stream this block was written on (None on the CPU)
@@ -549,15 +553,13 @@ class _VerdictBlocks:
                 self._rows, self._filled = None, 0  # read: not to be read again if what follows fails
             with torch.inference_mode(False):  # a flush under inference mode must not make a block later steps cannot write
                 rows = torch.empty((height, width), dtype=kind[0], device=device)
-                # the rows, and each row's values, as views made once a block (one call each, not one a step)
                 self._rows, self._views, self._filled = rows, rows.unbind(), 0
-                self._values = rows.view(-1).unbind()
             self._device, self._stream_id, self._kind = device, stream_id, kind
-        filled = self._filled
-        torch.stack(parts, out=self._views[filled])
+        row = self._views[self._filled]
+        torch.stack(parts, out=row)
         self._filled += 1
         self.written += 1
-        return self._values[filled * width:(filled + 1) * width]
+        return row.unbind()
 
     def copy_if_full(self) -> bool:
         """Queue the block's copy once it is full; True when its rows are on the host already (the CPU).
@@ -578,7 +580,7 @@ class _VerdictBlocks:
         if self._filled:
             with self._on_stream():
                 self.unread += self._rows[: self._filled].tolist()
-            self._rows, self._views, self._values, self._filled = None, (), (), 0
+            self._rows, self._views, self._filled = None, (), 0
         self.unread.append(values)
 
     def copy_stranded(self) -> None:
@@ -600,7 +602,7 @@ class _VerdictBlocks:
         Only once its copy is queued: an error (out of memory, Ctrl-C) before then loses no row.
         """
         pending = self._queue_copy(rows) if rows.is_cuda else (rows, None)
-        self._pending, self._rows, self._views, self._values, self._filled = pending, None, (), (), 0
+        self._pending, self._rows, self._views, self._filled = pending, None, (), 0
 
     def _queue_copy(self, rows: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """A non-blocking copy of ``rows`` into the pinned buffer, and an event after it, on the current stream.

@@ -991,3 +991,48 @@ def test_a_policy_whose_autocast_is_a_one_use_context_manager_gets_asked_every_s
     for b in batches(3):
         trainer.step(b)
     assert [dtype for dtype, _ in model.seen] == [torch.bfloat16] * 3
+
+
+def test_a_step_nested_in_a_forward_leaves_autocast_as_it_found_it():
+    # The kept torch.autocast saves the state it restores on itself: entered twice, the outer exit left autocast on.
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", grad_accum_steps=2)
+    inner = batches(1, seed=5)[0]
+    nested = []
+
+    def hook(module, args):
+        if not nested:
+            nested.append(1)
+            trainer.step(inner)
+
+    handle = model[0].register_forward_pre_hook(hook)
+    trainer.step(batches(1)[0])
+    handle.remove()
+    assert nested and not torch.is_autocast_enabled("cpu")
+    assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.float32
+    trainer.step(batches(1)[0])
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_kept_autocast_follows_a_new_default_autocast_dtype():
+    # torch.autocast(device, enabled=False) (the fp32 policy's) sets the default dtype it read when made.
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.seen = tiny_mlp(), []
+
+        def forward(self, x):
+            with torch.autocast("cpu"):  # no dtype: the default one
+                self.seen.append(torch.get_autocast_dtype("cpu"))
+                return self.net(x).float()
+
+    model = Inner()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    default = torch.get_autocast_dtype("cpu")
+    trainer.step(batches(1)[0])
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        trainer.step(batches(1)[0])
+    finally:
+        torch.set_autocast_dtype("cpu", default)
+    assert model.seen == [default, torch.float16]
