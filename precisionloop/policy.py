@@ -77,8 +77,8 @@ class PrecisionPolicy:
         """A context manager for the forward pass and the loss.
 
         The step keeps a ``torch.autocast`` returned here and enters it step after step (it asks
-        again when the autocast cache setting changes, or for a new policy); any other context
-        manager is asked for anew each step.
+        again for a new policy, when the autocast cache setting or default dtype changes, and for a
+        step nested in another); any other context manager is asked for anew each step.
         """
         if self.compute_dtype == torch.float32:
             # An explicit disabled autocast also switches off any autocast the caller opened.
