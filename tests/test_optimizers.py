@@ -1,8 +1,9 @@
 """Every optimizer in torch.optim through the Trainer, on the CPU.
 
 For each one torch ships (found by walking ``torch.optim``, so a new one is tested when it appears):
-clean steps match the hand-written torch.amp loop bit for bit, and a step whose gradients hold a
-NaN or an inf leaves the parameters and the optimizer state as they were, then training goes on.
+clean fp32, bf16 and fp16 steps match the hand-written torch.amp loop (GradScaler for fp16) bit for
+bit, and a step whose gradients hold a NaN or an inf leaves the parameters and the optimizer state as
+they were, then training goes on (fp16: with the scale backed off).
 LBFGS is refused with a clear error (its closure re-evaluates the loss, which a guarded step cannot
 skip); that is pinned in test_faults_review.py and checked here against the same discovery.
 """
@@ -21,7 +22,9 @@ ALL = sorted(name for name, cls in vars(torch.optim).items()
              if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer)
 REFUSED = {"LBFGS"}
 STEPPED = [name for name in ALL if name not in REFUSED]
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class SparseBag(nn.Module):
@@ -54,13 +57,14 @@ def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return getattr(torch.optim, name)(model.parameters(), lr=0.05)
 
 
-def _hand_step(model, optimizer, batch, dtype) -> None:
-    """torch's own recipe: autocast around forward and loss (none for fp32), then backward and step."""
+def _hand_step(model, optimizer, scaler, batch, dtype) -> None:
+    """torch's own recipe: autocast around forward and loss (none for fp32), then backward and step (scaled for fp16)."""
     inputs, targets = batch
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = nn.functional.cross_entropy(model(inputs), targets)
-    loss.backward()
-    optimizer.step()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -97,8 +101,9 @@ def test_clean_steps_match_the_hand_loop(name, precision):
     batches = _batches(name, 3)
     hand_model = _model(name)
     hand_opt = _optimizer(name, hand_model)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     for batch in batches:
-        _hand_step(hand_model, hand_opt, batch, PRECISIONS[precision])
+        _hand_step(hand_model, hand_opt, scaler, batch, PRECISIONS[precision])
 
     model = _model(name)
     trainer = Trainer(model, _optimizer(name, model), precision, device="cpu")
@@ -107,13 +112,14 @@ def test_clean_steps_match_the_hand_loop(name, precision):
     _assert_same(list(trainer.model.parameters()), list(hand_model.parameters()))
     _assert_same(_state(trainer.optimizer), _state(hand_opt))
     assert trainer.stats.steps == 3 and trainer.stats.skipped == 0
+    assert trainer.stats.scale == (scaler.get_scale() if precision == "fp16" else None)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("precision, bad", [("bf16", float("nan")), ("bf16", float("inf")), ("fp16", float("inf"))])
 @pytest.mark.parametrize("name", STEPPED)
-def test_a_non_finite_gradient_changes_neither_weights_nor_state(name, bad):
+def test_a_non_finite_gradient_changes_neither_weights_nor_state(name, precision, bad):
     model = _model(name)
-    trainer = Trainer(model, _optimizer(name, model), "bf16", device="cpu")
+    trainer = Trainer(model, _optimizer(name, model), precision, device="cpu")
     first, poisoned, after = _batches(name, 3)
     assert trainer.step(first).stepped  # the state exists (moments, step counts) before the bad step
     weights = copy.deepcopy(list(trainer.model.parameters()))
@@ -129,6 +135,8 @@ def test_a_non_finite_gradient_changes_neither_weights_nor_state(name, bad):
     _assert_same(list(trainer.model.parameters()), weights)
     _assert_same(_state(trainer.optimizer), state)
     assert trainer.stats.skipped == 1
+    if precision == "fp16":
+        assert trainer.stats.scale == 2.0 ** 15  # backed off from GradScaler's 2**16
 
     assert trainer.step(after).stepped  # training goes on from the weights and state it had
     assert all(torch.isfinite(p.detach().to_dense() if p.is_sparse else p.detach()).all()
