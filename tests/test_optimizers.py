@@ -142,3 +142,39 @@ def test_a_non_finite_gradient_changes_neither_weights_nor_state(name, precision
     assert all(torch.isfinite(p.detach().to_dense() if p.is_sparse else p.detach()).all()
                for p in trainer.model.parameters())
     assert trainer.stats.steps == 3 and trainer.stats.skipped == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", STEPPED)
+def test_resume_from_a_file_continues_exactly(name, precision, tmp_path):
+    """Saved after a skip (fp16: the scale backed off), loaded into a fresh Trainer: the next steps are the same."""
+    batches = _batches(name, 5)
+
+    def fresh() -> Trainer:
+        model = _model(name)
+        return Trainer(model, _optimizer(name, model), precision, device="cpu")
+
+    def poisoned_step(t: Trainer, batch) -> None:
+        handle = next(iter(t.model.parameters())).register_hook(lambda grad: grad * float("inf"))
+        try:
+            assert t.step(batch).skipped
+        finally:
+            handle.remove()
+
+    straight = fresh()
+    straight.step(batches[0])
+    poisoned_step(straight, batches[1])
+    path = straight.save(tmp_path / "ckpt.pt")
+    saved_stats = copy.deepcopy(straight.stats)
+    for batch in batches[2:]:
+        straight.step(batch)
+
+    resumed = fresh()
+    resumed.step(batches[4])  # state a load must replace, not merge with
+    resumed.load(path)
+    assert resumed.stats == saved_stats and saved_stats.skipped == 1
+    for batch in batches[2:]:
+        resumed.step(batch)
+    _assert_same(list(resumed.model.parameters()), list(straight.model.parameters()))
+    _assert_same(_state(resumed.optimizer), _state(straight.optimizer))
+    assert resumed.stats == straight.stats
