@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import numbers
 import warnings
 from typing import Callable, ClassVar
 
@@ -215,14 +216,17 @@ class FP16Policy(PrecisionPolicy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0 < self.init_scale < float("inf"):
-            raise ValueError(f"init_scale must be a finite number > 0, got {self.init_scale!r}")
-        if not 1 < self.growth_factor < float("inf"):
-            raise ValueError(f"growth_factor must be a finite number > 1, got {self.growth_factor!r}")
-        if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
-        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) or self.growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        # The scaler keeps the scale in fp32 and its growth counter in int32. A scale that rounds to 0 or
+        # whose inverse overflows makes torch's unscale turn finite gradients into inf/NaN without flagging
+        # them (its check reads the gradients before the multiply), so the range is fp32's normal numbers.
+        tiny, big = _FP32.tiny, _FP32.max
+        _check_real("init_scale", self.init_scale, lambda v: tiny <= v <= big,
+                    f"a number in [{tiny:.4g}, {big:.4g}] (fp32's normal range)")
+        _check_real("growth_factor", self.growth_factor, lambda v: 1 < v <= big, "a number > 1, finite in fp32")
+        _check_real("backoff_factor", self.backoff_factor, lambda v: tiny <= v < 1, f"a number in [{tiny:.4g}, 1)")
+        if (isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int)
+                or not 1 <= self.growth_interval <= _INT32_MAX):
+            raise ValueError(f"growth_interval must be an int in [1, {_INT32_MAX}], got {self.growth_interval!r}")
 
     def make_scaler(self, device_type: str) -> torch.amp.GradScaler:
         return torch.amp.GradScaler(
@@ -232,6 +236,16 @@ class FP16Policy(PrecisionPolicy):
             backoff_factor=self.backoff_factor,
             growth_interval=self.growth_interval,
         )
+
+
+_FP32 = torch.finfo(torch.float32)
+_INT32_MAX = torch.iinfo(torch.int32).max
+
+
+def _check_real(name: str, value: object, in_range: Callable[[float], bool], valid: str) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a real number (not a bool or a tensor) in range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not in_range(float(value)):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -60,12 +60,28 @@ def test_policies_are_frozen():
 
 @pytest.mark.parametrize(
     "kwargs", [dict(init_scale=0.0), dict(growth_factor=1.0), dict(backoff_factor=1.0), dict(backoff_factor=0.0),
-               dict(growth_interval=0), dict(growth_interval=2.5)]
+               dict(growth_interval=0), dict(growth_interval=2.5),
+               # what fp32 and int32 cannot hold (the scaler's dtypes), and what is not a number at all
+               dict(init_scale=1e-50), dict(init_scale=1e300), dict(backoff_factor=1e-50), dict(growth_factor=1e39),
+               dict(growth_interval=2**31), dict(init_scale=None), dict(init_scale="65536"), dict(init_scale=True),
+               dict(init_scale=torch.tensor(4.0)), dict(growth_factor=float("nan"))]
 )
 def test_fp16_policy_rejects_bad_scaler_args(kwargs):
     (key, value), = kwargs.items()
-    with pytest.raises(ValueError, match=key):
+    with pytest.raises(ValueError, match=f"{key} must be"):
         FP16Policy(**kwargs)
+
+
+def test_a_scale_that_rounds_to_zero_in_fp32_never_reaches_a_step():
+    """init_scale=1e-50 was accepted; in fp32 it is 0, the unscale multiplies by inf and torch's check, which reads
+    the gradients before the multiply, let the NaN it made into the weights without a skip."""
+    with pytest.raises(ValueError, match="init_scale"):
+        FP16Policy(init_scale=1e-50)
+    grads, found = [torch.zeros(3)], torch.zeros(())
+    _compat.non_finite_check_(grads, found, torch.tensor(float("inf")))
+    assert grads[0].isnan().all() and found.item() == 0  # torch's behaviour the range check guards against
+    assert FP16Policy(init_scale=torch.finfo(torch.float32).tiny).init_scale > 0  # the range's ends are accepted
+    assert FP16Policy(init_scale=torch.finfo(torch.float32).max, growth_interval=2**31 - 1).growth_interval == 2**31 - 1
 
 
 def test_auto_on_cpu_is_visible(caplog):
