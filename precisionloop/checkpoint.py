@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import os
 import random
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -32,9 +34,14 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """Write ``obj`` with ``torch.save`` so that ``path`` holds either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # The mode open() would give: an existing file keeps its own (and one open() may not write is refused,
+    # not replaced), a new one gets 0666 less the umask (mkstemp makes 0600).
+    if path.is_file() and not os.access(path, os.W_OK):
+        raise PermissionError(f"cannot write checkpoint {path}: the file is not writable; it was left as it was")
+    mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the mode open() would
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -110,13 +117,28 @@ def set_rng_state(state: dict) -> None:
         for index, s in enumerate(saved):
             torch.cuda.set_rng_state(s, index)
     if "numpy" in state and np is not None:
-        s = state["numpy"]
-        np.random.set_state({
-            "bit_generator": s["bit_generator"],
-            "state": {"key": s["key"].numpy().astype(np.uint32), "pos": s["pos"]},
-            "has_gauss": s["has_gauss"],
-            "gauss": s["gauss"],
-        })
+        np.random.set_state(_numpy_state(state["numpy"]))
+
+
+def _numpy_state(s: dict) -> dict:
+    """numpy's legacy RNG state from what :func:`rng_state` saved of it."""
+    return {"bit_generator": s["bit_generator"], "state": {"key": s["key"].numpy().astype(np.uint32), "pos": s["pos"]},
+            "has_gauss": s["has_gauss"], "gauss": s["gauss"]}
+
+
+def _rng_problem(state: Any) -> str | None:
+    """Why :func:`set_rng_state` would fail on ``state``, found by loading it into fresh generators; None if it would not."""
+    try:
+        torch.Generator().set_state(state["torch"])
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        if "numpy" in state and np is not None:
+            np.random.RandomState().set_state(_numpy_state(state["numpy"]))
+        if "cuda" in state and not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in state["cuda"]):
+            return "its CUDA states are not byte tensors"
+    except Exception as e:  # whatever the generators refuse: a missing key, a wrong type or size
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    return None
 
 
 # The Trainer's state --------------------------------------------------------------------------------------------
@@ -299,22 +321,31 @@ def restore_trainer(trainer, state: dict) -> None:
         engine.after_step()  # new weights, as after an optimizer step (fp8 all-gather scales them anew), last
 
 
-def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, source: str, scheduler=None) -> None:
-    """Refuse, before anything changes, a state whose tensors, optimizer or scheduler do not fit.
+def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, source: str, scheduler=None, *,
+               stats_type: type | None = None, guard: Any = None) -> None:
+    """Refuse, before anything changes, a state that is incomplete or whose tensors, optimizer or scheduler do not fit.
+
+    Args:
+        stats_type: the dataclass the saved stats must fill (the engine's ``TrainStats``).
+        guard: the live gradient guard, whose ``state_dict`` keys a saved scaler state must have.
 
     Raises:
         ValueError: naming what does not fit.
     """
+    _check_layout(state, source, stats_type, guard)
     saved_scheduler = state.get("scheduler_class")
     if scheduler is not None and saved_scheduler is not None and saved_scheduler != type(scheduler).__name__:
         raise ValueError(f"{source} holds the state of a {saved_scheduler} scheduler, but this Trainer's scheduler is a "
                          f"{type(scheduler).__name__}; nothing was loaded")
-    expected = {k: tuple(v.shape) for k, v in _dist.unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
-    saved = {k: tuple(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+    expected = {k: v for k, v in _dist.unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
+    saved = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
     problems = [f"missing {k}" for k in expected if k not in saved]
     problems += [f"unexpected {k}" for k in saved if k not in expected]
-    problems += [f"{k} has shape {list(saved[k])}, the model {list(expected[k])}"
-                 for k in expected if k in saved and saved[k] != expected[k]]
+    both = [k for k in expected if k in saved]
+    problems += [f"{k} has shape {list(saved[k].shape)}, the model {list(expected[k].shape)}"
+                 for k in both if saved[k].shape != expected[k].shape]
+    # torch would cast silently (an int64 weight truncated, fp64 rounded): another dtype is another run's tensor
+    problems += [f"{k} is {saved[k].dtype}, the model's {expected[k].dtype}" for k in both if saved[k].dtype != expected[k].dtype]
     if problems:
         raise ValueError(f"{source} does not fit this model: {'; '.join(problems[:5])}"
                          f"{' ...' if len(problems) > 5 else ''}; nothing was loaded")
@@ -327,6 +358,118 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, 
     if saved_groups != groups:
         raise ValueError(f"{source} has optimizer parameter groups of sizes {saved_groups}, this optimizer "
                          f"{groups}; nothing was loaded")
+    problems = _optimizer_state_problems(model, optimizer, state["optimizer"])
+    if problems:
+        raise ValueError(f"{source} holds optimizer state this optimizer cannot step with: {'; '.join(problems[:5])}"
+                         f"{' ...' if len(problems) > 5 else ''}; nothing was loaded")
+
+
+_COUNTERS = (("global_step", int), ("epoch", int), ("batch_in_epoch", int), ("consecutive_skips", int),
+             ("collapse_warned", bool))
+
+
+def _is(value: Any, kind: type) -> bool:
+    """``isinstance``, with a bool not counted as an int."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def _check_layout(state: Any, source: str, stats_type: type | None, guard: Any) -> None:
+    """Refuse a state that lacks an entry :func:`restore_trainer` reads, or holds one it would fail on half-way."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"{source} is not a precisionloop Trainer state (the dict Trainer.state_dict returns, with "
+                         f"format={FORMAT!r}); got a {type(state).__name__}; nothing was loaded")
+    problems = [f"{key!r} is {'missing' if key not in state else 'a ' + type(state[key]).__name__}, not a dict"
+                for key in ("model", "optimizer", "counters", "stats", "rng") if not isinstance(state.get(key), dict)]
+    if not problems:
+        saved_optimizer = state["optimizer"]
+        if not (isinstance(saved_optimizer.get("state"), dict) and isinstance(saved_optimizer.get("param_groups"), list)
+                and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_optimizer["param_groups"])):
+            problems.append("'optimizer' lacks its 'state' dict or its 'param_groups' (dicts with 'params' lists)")
+        counters = state["counters"]
+        problems += [f"counters[{k!r}] is {counters.get(k, 'missing')!r}, not {kind.__name__}"
+                     for k, kind in _COUNTERS if not _is(counters.get(k), kind)]
+        if stats_type is not None:
+            problems += _stats_problems(state["stats"], stats_type)
+        for key in ("rng", "rng_epoch_start"):
+            why = None if state.get(key) is None else _rng_problem(state[key])
+            problems += [f"{key!r} does not restore ({why})"] if why else []
+        per_rank = state.get("rng_per_rank")
+        if per_rank is not None and (not isinstance(per_rank, list) or any(_rng_problem(r) for r in per_rank)):
+            problems.append("'rng_per_rank' is not a list of RNG states that restore")
+        problems += _scaler_problems(state.get("scaler"), guard)
+    if problems:
+        raise ValueError(f"{source} is incomplete or damaged: {'; '.join(problems[:5])}"
+                         f"{' ...' if len(problems) > 5 else ''}; nothing was loaded")
+
+
+def _stats_problems(stats: dict, stats_type: type) -> list[str]:
+    """The saved stats against the dataclass: every field, counts as ints, scales as numbers or None."""
+    fields = {f.name: f.default for f in dataclasses.fields(stats_type)}
+    if set(stats) != set(fields):
+        return [f"'stats' has the fields {sorted(stats)}, not {sorted(fields)}"]
+    return [f"stats[{name!r}] is {stats[name]!r}" for name, default in fields.items()
+            if not (_is(stats[name], int) if isinstance(default, int) else
+                    stats[name] is None or (_is(stats[name], numbers.Real)))]
+
+
+def _scaler_problems(saved: Any, guard: Any) -> list[str]:
+    """A saved scaler state that the live guard's scaler could not load (a missing key fails half-way)."""
+    live = guard.state_dict() if guard is not None else None
+    if saved is None or not isinstance(live, dict):
+        return []  # nothing to load, or a guard without a scaler (a precision change, which load warns about)
+    if not isinstance(saved, dict) or not set(live) <= set(saved):
+        keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        return [f"'scaler' is {keys}, not a scaler state with {sorted(live)}"]
+    return []
+
+
+def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
+    """Per-parameter state tensors whose shapes could not step the parameter, and hyperparameters of another kind.
+
+    A tensor is compared with the live optimizer's state for it when there is one; otherwise, for torch's own
+    optimizers, it must broadcast to its parameter (Adafactor keeps a row and a column). Other optimizers may keep
+    state of any shape (preconditioners, quantised blocks), so only the live comparison applies to them.
+    """
+    params = dict(_dist.unwrap(model).named_parameters())
+    builtin = type(optimizer).__module__.startswith("torch.optim")
+    problems = []
+    for name, entries in saved["state"].items():
+        param = params.get(name)
+        if param is None or not isinstance(entries, dict):
+            problems += [] if param is None else [f"the state of {name} is a {type(entries).__name__}, not a dict"]
+            continue
+        live = optimizer.state.get(param, {})
+        for key, value in entries.items():
+            was = live.get(key)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if isinstance(was, torch.Tensor) and value.shape != was.shape:
+                problems.append(f"{name}'s {key!r} has shape {list(value.shape)}, the optimizer's {list(was.shape)}")
+            elif was is None and builtin and not _broadcasts(value.shape, param.shape):
+                problems.append(f"{name}'s {key!r} has shape {list(value.shape)}, which does not fit the parameter's "
+                                f"{list(param.shape)}")
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        problems += [f"param_groups[{i}][{key!r}] is {value!r}, where the optimizer has {group[key]!r}"
+                     for key, value in saved_group.items()
+                     if key in group and key not in ("params", *_KERNEL_KEYS) and not _same_kind(value, group[key])]
+    return problems
+
+
+def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
+    return len(shape) == len(to) and all(a in (b, 1) for a, b in zip(shape, to))
+
+
+def _same_kind(saved: Any, live: Any) -> bool:
+    """Whether a saved hyperparameter can stand where the live one is: a bool for a bool, a number for a number, ..."""
+    if isinstance(live, bool):
+        return isinstance(saved, bool)
+    if isinstance(live, numbers.Real) or isinstance(live, torch.Tensor):
+        return _is(saved, numbers.Real) or (isinstance(saved, torch.Tensor) and saved.numel() == 1)
+    if isinstance(live, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(live)
+    if isinstance(live, str):
+        return isinstance(saved, str)
+    return True
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: str | None) -> tuple[dict, dict]:

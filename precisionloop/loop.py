@@ -13,7 +13,8 @@ import os
 import time
 import types
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable
+from typing import Any, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -62,11 +63,47 @@ class FitPlan:
             raise ValueError("checkpoint_dir is written every checkpoint_every optimizer steps: set checkpoint_every too")
         if not isinstance(self.callbacks, (list, tuple)):
             raise ValueError(f"callbacks must be a list or tuple of callback objects, got {type(self.callbacks).__name__}")
+        for i, cb in enumerate(self.callbacks):
+            _check_callback(i, cb)
         if self.keep_last is not None and self.checkpoint_every is None:
             raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be True or False, got {self.progress!r}")
+        if self.checkpoint_dir is not None:
+            _check_directory(self.checkpoint_dir)
 
     def reached(self, global_step: int) -> bool:
         return self.max_steps is not None and global_step >= self.max_steps
+
+
+_HOOKS = ("on_step_end", "on_epoch_end")
+
+
+def _check_callback(index: int, cb: Any) -> None:
+    """A callback is an object whose hooks, where it has them, are callable; a class or a bare function is not one.
+
+    A function would be skipped without a word (it has neither hook), a class would fail at the first step.
+    """
+    hooks = [getattr(cb, name, None) for name in _HOOKS]
+    if isinstance(cb, type) or (callable(cb) and not any(hooks)) or not all(h is None or callable(h) for h in hooks):
+        kind = f"the class {cb.__name__} (pass an instance)" if isinstance(cb, type) else repr(cb)[:80]
+        raise ValueError(f"callbacks[{index}] is {kind}; a callback is an object with an on_step_end(trainer, result) "
+                         "and/or an on_epoch_end(trainer, record) method")
+
+
+def _check_directory(path: Any) -> None:
+    """checkpoint_dir: a non-empty path that is a directory or does not exist yet (it is made at the first save)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"checkpoint_dir must be a non-empty path (str or os.PathLike), got {path!r}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"checkpoint_dir {os.fspath(path)!r} exists and is not a directory")
+
+
+def check_loader(name: str, loader: Any) -> None:
+    """Raise a ValueError naming ``name`` unless ``loader`` can be iterated (a DataLoader, a list of batches, ...)."""
+    if not isinstance(loader, Iterable) or isinstance(loader, (str, bytes)):
+        raise ValueError(f"{name} must be an iterable of batches (a DataLoader, a list of batches, ...), "
+                         f"got {type(loader).__name__}")
 
 
 def check_int(name: str, value: object, low: int) -> None:
@@ -83,6 +120,9 @@ def is_plateau(scheduler: Any) -> bool:
 def fit(trainer, train_loader: Iterable, plan: FitPlan, val_loader: Iterable | None,
         metrics: Mapping[str, Any] | None) -> list[dict]:
     """:meth:`Trainer.fit`'s body; see its docstring."""
+    check_loader("train_loader", train_loader)
+    if val_loader is not None:
+        check_loader("val_loader", val_loader)
     metrics = check_metrics(metrics, val_loader)
     if is_plateau(trainer.scheduler) and val_loader is None:
         raise ValueError("the scheduler is a ReduceLROnPlateau, which fit steps with the validation loss at each "
@@ -340,6 +380,7 @@ def _underflow_probe(trainer, every: int):
 
 def evaluate(trainer, loader: Iterable, metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """:meth:`Trainer.evaluate`'s body."""
+    check_loader("loader", loader)
     return validate(trainer, loader, check_metrics(metrics, loader))
 
 

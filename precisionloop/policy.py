@@ -412,13 +412,15 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | to
             or the CPU when ``None``.
 
     Raises:
-        ValueError: ``spec`` names no known precision.
+        ValueError: ``spec`` names no known precision, or ``device`` no device.
 
     Example:
         >>> from precisionloop import get_policy
         >>> get_policy("BFloat16").name
         'bf16'
     """
+    if device is not None:
+        _parse_device(device)  # a bad device is an error whatever the spec, not only for "auto"
     if isinstance(spec, PrecisionPolicy):
         return spec
     key = _normalise(spec)
@@ -463,6 +465,18 @@ def _as_device(device: str | torch.device | None) -> torch.device:
             raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} was requested but this machine has {torch.cuda.device_count()} "
+                             f"CUDA device(s): use 'cuda:0' to 'cuda:{torch.cuda.device_count() - 1}', or 'cpu'")
+    elif device.type != "cpu":
+        # Another backend (a custom policy's hardware) is usable if torch can put a tensor there; its own
+        # errors (ModuleNotFoundError, AssertionError, ...) say less than this.
+        try:
+            torch.empty(0, device=device)
+        except Exception as e:
+            usable = "'cpu' or 'cuda'" if torch.cuda.is_available() else "'cpu'"
+            raise ValueError(f"device {str(device)!r} is not usable with this torch build "
+                             f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]}); use {usable}") from None
     return device
 
 

@@ -99,6 +99,8 @@ class Trainer:
                  scheduler: Any = None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
                  max_consecutive_skips: int = 20, compile: bool | str = False, distributed: str | None = "auto",
                  autotune: bool = False, fuse_optimizer: bool = True, graph_optimizer_step: bool = False):
+        _check_arguments(model, optimizer, loss_fn, autotune=autotune, fuse_optimizer=fuse_optimizer,
+                         graph_optimizer_step=graph_optimizer_step)
         loop.check_int("grad_accum_steps", grad_accum_steps, 1)
         loop.check_int("max_consecutive_skips", max_consecutive_skips, 1)
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
@@ -126,8 +128,6 @@ class Trainer:
         _check_optimizer(model, optimizer)
         _dist.check_optimizer(optimizer, self.distributed)
         mode = compile_mode(compile, self.device)
-        if not isinstance(graph_optimizer_step, bool):
-            raise ValueError(f"graph_optimizer_step must be True or False, got {graph_optimizer_step!r}")
         if graph_optimizer_step:
             check_graphable(self.device, policy.make_guard(self.device.type), optimizer,
                             will_fuse=fuse_optimizer and fusable(optimizer, model), max_grad_norm=max_grad_norm,
@@ -195,15 +195,7 @@ class Trainer:
 
     def forward_batch(self, batch: Any) -> tuple[Any, Any]:
         """Run the model on one batch and return ``(outputs, targets)``; override for other batch shapes."""
-        try:
-            if isinstance(batch, (Mapping, str, bytes)):
-                raise TypeError
-            inputs, targets = batch
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"the default forward_batch expects a batch of (inputs, targets), got {type(batch).__name__}; "
-                "override Trainer.forward_batch (or compute_loss) for other batch shapes"
-            ) from None
+        inputs, targets = _pair(batch)
         return self.model(inputs), targets
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
@@ -235,9 +227,14 @@ class Trainer:
 
         Raises:
             ValueError: the batch is empty (nothing is changed).
+            TypeError: the batch is not ``(inputs, targets)`` and neither ``forward_batch`` nor ``compute_loss``
+                is overridden (nothing is changed, an open accumulation window included).
         """
         if loop.batch_size(batch) == 0:
             raise ValueError("the batch is empty (batch size 0): nothing to train on; nothing was changed")
+        if (getattr(self.compute_loss, "__func__", None) is Trainer.compute_loss
+                and getattr(self.forward_batch, "__func__", None) is Trainer.forward_batch):
+            _pair(batch, "; nothing was changed")  # refused here, not in the step, which would drop an open window
         if self._autotune_compile is not None:
             self._run_autotune(batch)
         with self._backend_flags():
@@ -384,6 +381,9 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: model, optimizer, scheduler, scaler, counters and RNGs.
 
+        As torch's ``state_dict``, it holds the live weight and optimizer tensors (the counters and RNG states
+        are copies): training on changes them in it. ``copy.deepcopy`` it to keep a snapshot in memory.
+
         Raises:
             RuntimeError: an accumulation window is open (its gradients cannot be saved).
         """
@@ -400,9 +400,11 @@ class Trainer:
         the checkpoint's policy instead: its precision, settings and ``keep_fp32``.
 
         Raises:
-            ValueError: the state does not fit this model or optimizer; nothing was changed.
+            ValueError: the state is not a Trainer state, is incomplete or damaged, or does not fit this
+                model or optimizer; nothing was changed.
         """
-        checkpoint.check_fits(self.model, self.optimizer, state, source, self.scheduler)
+        checkpoint.check_fits(self.model, self.optimizer, state, source, self.scheduler,
+                              stats_type=type(self.engine.stats), guard=self.engine.guard)
         if self._autotune_compile is not None:
             policy = checkpoint.policy_from_record(state, self.device)  # its settings too: fp8 layers, keep_fp32
             mode = compile_mode(state.get("compile_mode"), self.device)  # as the saved run trained
@@ -443,6 +445,35 @@ class Trainer:
                 does not fit this model or optimizer (then nothing is changed).
         """
         self.load_state_dict(checkpoint.read(path), source=f"checkpoint {path}")
+
+
+def _pair(batch: Any, suffix: str = "") -> tuple[Any, Any]:
+    """The default batch's ``(inputs, targets)``; a TypeError that names the override points for any other shape."""
+    try:
+        if isinstance(batch, (Mapping, str, bytes)):
+            raise TypeError
+        inputs, targets = batch
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"the default forward_batch expects a batch of (inputs, targets), got {type(batch).__name__}"
+            f"{f' of length {len(batch)}' if isinstance(batch, (list, tuple)) else ''}; override "
+            f"Trainer.forward_batch (or compute_loss) for other batch shapes{suffix}") from None
+    return inputs, targets
+
+
+def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, **flags: Any) -> None:
+    """The arguments' kinds, before anything else looks at them (a string optimizer fails on param_groups otherwise)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters, "
+                         f"got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (outputs, targets) -> loss tensor, such as "
+                         f"torch.nn.functional.cross_entropy, or None for that default; got {loss_fn!r}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_master_weights(model: nn.Module, policy: PrecisionPolicy) -> None:

@@ -1,0 +1,205 @@
+"""Bad input found by a hostile probe (2026-11-30), each refused at once with an error that names it, before
+anything changes. Before the fixes, each of these was accepted and failed later (after training had changed
+the weights), did something else silently, or failed with torch's own error that named no valid option.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import stat
+
+import pytest
+import torch
+from torch import nn
+
+import precisionloop.policy as policy_module
+from precisionloop import Trainer, get_policy
+
+X, Y = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0])
+
+
+def _trainer(**kwargs) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", **{"device": "cpu", **kwargs})
+
+
+def _weights(t: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in t.model.parameters()]
+
+
+# Trainer arguments --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(autotune="no"), "autotune must be True or False"),
+    (dict(fuse_optimizer="no"), "fuse_optimizer must be True or False"),
+    (dict(graph_optimizer_step=1), "graph_optimizer_step must be True or False"),
+    (dict(loss_fn="mse"), "loss_fn must be a callable"),
+])
+def test_trainer_flags_and_loss_fn_of_the_wrong_kind_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _trainer(**kwargs)
+
+
+@pytest.mark.parametrize("model, optimizer, message", [
+    (None, "sgd", "model must be a torch.nn.Module, got NoneType"),
+    ("linear", "sgd", "model must be a torch.nn.Module, got str"),
+    (nn.Linear(2, 2), None, "optimizer must be a torch.optim.Optimizer .* got NoneType"),
+    (nn.Linear(2, 2), "adam", "optimizer must be a torch.optim.Optimizer .* got str"),
+])
+def test_a_model_or_optimizer_of_the_wrong_kind_is_named(model, optimizer, message):
+    if optimizer == "sgd":
+        optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=message):
+        Trainer(model, optimizer, "fp32", device="cpu")
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "hpu", "lazy", "xla"])
+def test_a_device_this_torch_cannot_use_is_refused_with_the_usable_ones(device):
+    with pytest.raises(ValueError, match=f"device '{device}' is not usable with this torch build .*; use 'cpu'"):
+        _trainer(device=device)
+
+
+def test_a_cuda_index_past_the_devices_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="'cuda:7' was requested but this machine has 1 CUDA device"):
+        policy_module._as_device("cuda:7")
+
+
+def test_get_policy_refuses_a_bad_device_whatever_the_spec():
+    with pytest.raises(ValueError, match="unknown device 'gibberish'"):
+        get_policy("bf16", device="gibberish")
+
+
+# fit's arguments: refused before the first step ---------------------------------------------------------------
+
+class OnStep:
+    def on_step_end(self, trainer, result):
+        pass
+
+
+class NotCallable:
+    on_step_end = 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(val_loader=5), "val_loader must be an iterable of batches"),
+    (dict(val_loader="batches"), "val_loader must be an iterable of batches"),
+    (dict(checkpoint_dir=5, checkpoint_every=1), "checkpoint_dir must be a non-empty path"),
+    (dict(checkpoint_dir="", checkpoint_every=1), "checkpoint_dir must be a non-empty path"),
+    (dict(callbacks=[OnStep]), r"callbacks\[0\] is the class OnStep \(pass an instance\)"),
+    (dict(callbacks=[OnStep(), lambda trainer, result: None]), r"callbacks\[1\] is <function"),
+    (dict(callbacks=[NotCallable()]), r"callbacks\[0\] is"),
+    (dict(progress="False"), "progress must be True or False"),
+])
+def test_fit_refuses_bad_arguments_before_training(kwargs, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # checkpoint_dir="" once meant the current directory
+    t = _trainer()
+    before = _weights(t)
+    with pytest.raises(ValueError, match=message):
+        t.fit([(X, Y)] * 3, **{"progress": False, **kwargs})
+    assert all(torch.equal(a, b) for a, b in zip(_weights(t), before)) and t.global_step == 0
+
+
+def test_fit_refuses_a_checkpoint_dir_that_is_a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("not a directory")
+    t = _trainer()
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        t.fit([(X, Y)], progress=False, checkpoint_dir=path, checkpoint_every=1)
+    assert t.global_step == 0
+
+
+def test_a_train_loader_that_is_not_iterable_is_named():
+    with pytest.raises(ValueError, match=r"train_loader must be an iterable of batches \(.*\), got int"):
+        _trainer().fit(5, progress=False)
+    with pytest.raises(ValueError, match=r"loader must be an iterable of batches \(.*\), got int"):
+        _trainer().evaluate(5)
+
+
+def test_a_callback_object_without_hooks_is_still_accepted():
+    t = _trainer()
+    t.fit([(X, Y)], progress=False, callbacks=[object(), OnStep()])
+    assert t.global_step == 1
+
+
+# A malformed batch keeps the accumulation window ----------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [(X, Y, Y), (X,), {"x": X, "y": Y}, [X, Y, Y]])
+def test_a_batch_of_the_wrong_shape_keeps_the_open_window(bad):
+    t = _trainer(grad_accum_steps=2)
+    t.step((X, Y))
+    grads = [p.grad.clone() for p in t.model.parameters()]
+    with pytest.raises(TypeError, match="expects a batch of \\(inputs, targets\\).*nothing was changed"):
+        t.step(bad)
+    assert t.engine.micro == 1 and all(torch.equal(p.grad, g) for p, g in zip(t.model.parameters(), grads))
+    assert t.step((X, Y)).stepped  # the window closes with both micro-batches
+
+
+def test_a_subclass_with_its_own_batch_shape_is_not_checked():
+    class Triple(Trainer):
+        def forward_batch(self, batch):
+            inputs, targets, _weights = batch
+            return self.model(inputs), targets
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    t = Triple(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    assert t.step((X, Y, Y)).stepped
+
+
+# save() keeps the mode open() would -------------------------------------------------------------------------------
+
+def test_save_over_a_file_keeps_its_mode(tmp_path):
+    t = _trainer()
+    path = t.save(tmp_path / "ckpt.pt")
+    os.chmod(path, 0o600)
+    t.save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() == 0 if hasattr(os, "geteuid") else True,
+                    reason="root may write any file, so open() would not refuse it either")
+def test_save_over_a_read_only_file_is_refused_and_leaves_it(tmp_path):
+    t = _trainer()
+    path = t.save(tmp_path / "ckpt.pt")
+    old = path.read_bytes()
+    os.chmod(path, 0o444)
+    t.step((X, Y))
+    with pytest.raises(PermissionError, match="not writable"):
+        t.save(path)
+    assert path.read_bytes() == old and stat.S_IMODE(os.stat(path).st_mode) == 0o444
+
+
+def test_save_refuses_a_read_only_file_the_way_open_does(tmp_path, monkeypatch):
+    """As root, os.access says every file is writable; the refusal is checked through it instead."""
+    t = _trainer()
+    path = t.save(tmp_path / "ckpt.pt")
+    old = path.read_bytes()
+    monkeypatch.setattr(os, "access", lambda p, mode: False if os.fspath(p) == os.fspath(path) else True)
+    t.step((X, Y))
+    with pytest.raises(PermissionError, match="not writable"):
+        t.save(path)
+    assert path.read_bytes() == old
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_new_checkpoint_gets_the_umask_mode(tmp_path):
+    mask = os.umask(0o027)
+    try:
+        path = _trainer().save(tmp_path / "new.pt")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+def test_state_dict_holds_the_live_tensors_as_documented():
+    """The docstring's promise: training on changes the weights in it; a deepcopy keeps a snapshot."""
+    t = _trainer()
+    t.step((X, Y))
+    live, snapshot = t.state_dict(), copy.deepcopy(t.state_dict())
+    t.step((X, Y))
+    assert torch.equal(live["model"]["weight"], t.model.weight)
+    assert not torch.equal(snapshot["model"]["weight"], t.model.weight)
