@@ -35,10 +35,13 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The mode open() would give: an existing file keeps its own (and one open() may not write is refused,
-    # not replaced), a new one gets 0666 less the umask (mkstemp makes 0600).
-    if path.is_file() and not os.access(path, os.W_OK):
+    # not replaced), a new one gets 0666 less the umask (mkstemp makes 0600). A symlink is replaced by the
+    # file, as before; its target is neither checked nor changed.
+    existing = path.lstat() if os.path.lexists(path) else None
+    regular = existing is not None and stat.S_ISREG(existing.st_mode)
+    if regular and not os.access(path, os.W_OK):
         raise PermissionError(f"cannot write checkpoint {path}: the file is not writable; it was left as it was")
-    mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else 0o666 & ~_umask()
+    mode = stat.S_IMODE(existing.st_mode) if regular else 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, mode)
@@ -133,9 +136,15 @@ def _rng_problem(state: Any) -> str | None:
         version, internal, gauss = state["python"]
         random.Random().setstate((version, tuple(internal), gauss))
         if "numpy" in state and np is not None:
-            np.random.RandomState().set_state(_numpy_state(state["numpy"]))
-        if "cuda" in state and not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in state["cuda"]):
-            return "its CUDA states are not byte tensors"
+            numpy_state = _numpy_state(state["numpy"])
+            # numpy does not range-check pos: one past the key crashed the process at the next draw
+            if numpy_state["state"]["key"].shape != (624,) or not 0 <= numpy_state["state"]["pos"] <= 624:
+                return "its numpy state has a key of other than 624 words or a position outside 0-624"
+            np.random.RandomState().set_state(numpy_state)
+        cuda = state.get("cuda", [])
+        if not isinstance(cuda, (list, tuple)) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                                            and t.dim() == 1 for t in cuda):
+            return "its CUDA states are not a list of byte tensors"
     except Exception as e:  # whatever the generators refuse: a missing key, a wrong type or size
         return f"{type(e).__name__}: {str(e)[:120]}"
     return None
@@ -403,24 +412,30 @@ def _check_layout(state: Any, source: str, stats_type: type | None, guard: Any) 
 
 
 def _stats_problems(stats: dict, stats_type: type) -> list[str]:
-    """The saved stats against the dataclass: every field, counts as ints, scales as numbers or None."""
+    """The saved stats against the dataclass: its fields (or some), counts as ints, scales as numbers or None."""
     fields = {f.name: f.default for f in dataclasses.fields(stats_type)}
-    if set(stats) != set(fields):
-        return [f"'stats' has the fields {sorted(stats)}, not {sorted(fields)}"]
-    return [f"stats[{name!r}] is {stats[name]!r}" for name, default in fields.items()
-            if not (_is(stats[name], int) if isinstance(default, int) else
-                    stats[name] is None or (_is(stats[name], numbers.Real)))]
+    if not set(stats) <= set(fields):  # fewer is fine: a field added later takes its default, as the dataclass would
+        return [f"'stats' has the fields {sorted(stats)}, not among {sorted(fields)}"]
+    return [f"stats[{name!r}] is {value!r}" for name, value in stats.items()
+            if not (_is(value, int) if isinstance(fields[name], int) else value is None or _is(value, numbers.Real))]
 
 
 def _scaler_problems(saved: Any, guard: Any) -> list[str]:
     """A saved scaler state that the live guard's scaler could not load (a missing key fails half-way)."""
     live = guard.state_dict() if guard is not None else None
-    if saved is None or not isinstance(live, dict):
-        return []  # nothing to load, or a guard without a scaler (a precision change, which load warns about)
+    if not saved or not isinstance(live, dict):
+        return []  # nothing to load (a disabled scaler saves {}), or no scaler here (a precision change: load warns)
     if not isinstance(saved, dict) or not set(live) <= set(saved):
         keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
         return [f"'scaler' is {keys}, not a scaler state with {sorted(live)}"]
     return []
+
+
+def check_scaler(state: dict, guard: Any, source: str) -> None:
+    """Refuse a saved scaler state that ``guard``'s scaler could not load (for a policy chosen from the checkpoint)."""
+    problems = _scaler_problems(state.get("scaler"), guard)
+    if problems:
+        raise ValueError(f"{source} is incomplete or damaged: {problems[0]}; nothing was loaded")
 
 
 def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
@@ -461,8 +476,12 @@ def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
 
 def _same_kind(saved: Any, live: Any) -> bool:
     """Whether a saved hyperparameter can stand where the live one is: a bool for a bool, a number for a number, ..."""
+    if live is None or saved is None:
+        return True  # an option left unset on one side (Muon's adjust_lr_fn): the saved one replaces the live one
     if isinstance(live, bool):
         return isinstance(saved, bool)
+    if isinstance(live, torch.Tensor) and live.numel() != 1:
+        return isinstance(saved, torch.Tensor) and saved.shape == live.shape
     if isinstance(live, numbers.Real) or isinstance(live, torch.Tensor):
         return _is(saved, numbers.Real) or (isinstance(saved, torch.Tensor) and saved.numel() == 1)
     if isinstance(live, (tuple, list)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -67,8 +68,7 @@ class FitPlan:
             _check_callback(i, cb)
         if self.keep_last is not None and self.checkpoint_every is None:
             raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress must be True or False, got {self.progress!r}")
+        check_flag("progress", self.progress)
         if self.checkpoint_dir is not None:
             _check_directory(self.checkpoint_dir)
 
@@ -82,12 +82,20 @@ _HOOKS = ("on_step_end", "on_epoch_end")
 def _check_callback(index: int, cb: Any) -> None:
     """A callback is an object whose hooks, where it has them, are callable; a class or a bare function is not one.
 
-    A function would be skipped without a word (it has neither hook), a class would fail at the first step.
+    A function would be skipped without a word (it has neither hook), a class would fail at the first step
+    (unless its hooks are static or class methods, which need no instance).
     """
     hooks = [getattr(cb, name, None) for name in _HOOKS]
-    if isinstance(cb, type) or (callable(cb) and not any(hooks)) or not all(h is None or callable(h) for h in hooks):
-        kind = f"the class {cb.__name__} (pass an instance)" if isinstance(cb, type) else repr(cb)[:80]
-        raise ValueError(f"callbacks[{index}] is {kind}; a callback is an object with an on_step_end(trainer, result) "
+    why = None
+    if isinstance(cb, type):
+        if not any(hooks) or any(isinstance(inspect.getattr_static(cb, name, None), types.FunctionType) for name in _HOOKS):
+            why = f"the class {cb.__name__} (pass an instance)"
+    elif callable(cb) and not any(hooks):
+        why = repr(cb)[:80]
+    elif not all(h is None or callable(h) for h in hooks):
+        why = f"{repr(cb)[:80]}, whose hooks are not all callable"
+    if why:
+        raise ValueError(f"callbacks[{index}] is {why}; a callback is an object with an on_step_end(trainer, result) "
                          "and/or an on_epoch_end(trainer, record) method")
 
 
@@ -99,9 +107,18 @@ def _check_directory(path: Any) -> None:
         raise ValueError(f"checkpoint_dir {os.fspath(path)!r} exists and is not a directory")
 
 
+def check_flag(name: str, value: object) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is True or False (or 1 or 0): a string such as "no" is true."""
+    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_loader(name: str, loader: Any) -> None:
-    """Raise a ValueError naming ``name`` unless ``loader`` can be iterated (a DataLoader, a list of batches, ...)."""
-    if not isinstance(loader, Iterable) or isinstance(loader, (str, bytes)):
+    """Raise a ValueError naming ``name`` unless ``loader`` can be iterated (a DataLoader, a list of batches, ...).
+
+    Iterable through ``__iter__`` or, as Python allows, ``__getitem__`` (a Dataset whose items are batches).
+    """
+    if not (isinstance(loader, Iterable) or hasattr(type(loader), "__getitem__")) or isinstance(loader, (str, bytes)):
         raise ValueError(f"{name} must be an iterable of batches (a DataLoader, a list of batches, ...), "
                          f"got {type(loader).__name__}")
 

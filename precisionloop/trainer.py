@@ -232,9 +232,8 @@ class Trainer:
         """
         if loop.batch_size(batch) == 0:
             raise ValueError("the batch is empty (batch size 0): nothing to train on; nothing was changed")
-        if (getattr(self.compute_loss, "__func__", None) is Trainer.compute_loss
-                and getattr(self.forward_batch, "__func__", None) is Trainer.forward_batch):
-            _pair(batch, "; nothing was changed")  # refused here, not in the step, which would drop an open window
+        if not ((type(batch) is tuple or type(batch) is list) and len(batch) == 2) and _default_batch_shape(self):
+            _check_pair(batch)  # refused here, not in the step, which would drop an open window
         if self._autotune_compile is not None:
             self._run_autotune(batch)
         with self._backend_flags():
@@ -403,13 +402,15 @@ class Trainer:
             ValueError: the state is not a Trainer state, is incomplete or damaged, or does not fit this
                 model or optimizer; nothing was changed.
         """
+        pending = self._autotune_compile is not None  # the policy comes from the checkpoint: its scaler is checked below
         checkpoint.check_fits(self.model, self.optimizer, state, source, self.scheduler,
-                              stats_type=type(self.engine.stats), guard=self.engine.guard)
-        if self._autotune_compile is not None:
+                              stats_type=type(self.engine.stats), guard=None if pending else self.engine.guard)
+        if pending:
             policy = checkpoint.policy_from_record(state, self.device)  # its settings too: fp8 layers, keep_fp32
             mode = compile_mode(state.get("compile_mode"), self.device)  # as the saved run trained
             policy.check_model(self.model, self.device)  # what can fail, before the model changes
             _check_master_weights(self.model, policy)
+            checkpoint.check_scaler(state, policy.make_guard(self.device.type), source)
             self._configure(policy, mode)
             self._autotune_compile = None
             log.info("autotune skipped: resuming under the checkpoint's precision %s", self.policy.name)
@@ -461,19 +462,33 @@ def _pair(batch: Any, suffix: str = "") -> tuple[Any, Any]:
     return inputs, targets
 
 
+def _default_batch_shape(trainer: Trainer) -> bool:
+    """Whether the batch reaches the default ``forward_batch`` (neither it nor ``compute_loss`` is overridden)."""
+    return (getattr(trainer.compute_loss, "__func__", None) is Trainer.compute_loss
+            and getattr(trainer.forward_batch, "__func__", None) is Trainer.forward_batch)
+
+
+def _check_pair(batch: Any) -> None:
+    """Refuse a list or tuple not of two, and a mapping or string; leave other iterables to ``forward_batch``
+    (a generator checked here would be used up before the step)."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return
+    if isinstance(batch, (tuple, list, Mapping, str, bytes)):
+        _pair(batch, "; nothing was changed")
+
+
 def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, **flags: Any) -> None:
     """The arguments' kinds, before anything else looks at them (a string optimizer fails on param_groups otherwise)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters, "
-                         f"got {type(optimizer).__name__}")
+    if not (isinstance(getattr(optimizer, "param_groups", None), list) and callable(getattr(optimizer, "step", None))):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer (or one like it: param_groups and step) built on "
+                         f"the model's parameters, got {type(optimizer).__name__}")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> loss tensor, such as "
                          f"torch.nn.functional.cross_entropy, or None for that default; got {loss_fn!r}")
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
+        loop.check_flag(name, value)
 
 
 def _check_master_weights(model: nn.Module, policy: PrecisionPolicy) -> None:

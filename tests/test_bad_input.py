@@ -34,7 +34,8 @@ def _weights(t: Trainer) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(autotune="no"), "autotune must be True or False"),
     (dict(fuse_optimizer="no"), "fuse_optimizer must be True or False"),
-    (dict(graph_optimizer_step=1), "graph_optimizer_step must be True or False"),
+    (dict(graph_optimizer_step="yes"), "graph_optimizer_step must be True or False"),
+    (dict(fuse_optimizer=2), "fuse_optimizer must be True or False"),
     (dict(loss_fn="mse"), "loss_fn must be a callable"),
 ])
 def test_trainer_flags_and_loss_fn_of_the_wrong_kind_are_refused(kwargs, message):
@@ -203,3 +204,65 @@ def test_state_dict_holds_the_live_tensors_as_documented():
     t.step((X, Y))
     assert torch.equal(live["model"]["weight"], t.model.weight)
     assert not torch.equal(snapshot["model"]["weight"], t.model.weight)
+
+
+# What the checks must still let through (a review of the checks above) ----------------------------------------
+
+class StaticHooks:
+    @staticmethod
+    def on_step_end(trainer, result):
+        StaticHooks.calls += 1
+
+    calls = 0
+
+
+class Batches:
+    """Iterable through __getitem__ only, as a Dataset whose items are whole batches."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        if i >= 2:
+            raise IndexError(i)
+        return X, Y
+
+
+def test_loaders_hooks_and_flags_that_python_accepts_still_work():
+    t = _trainer(fuse_optimizer=0)
+    t.fit(Batches(), progress=0, callbacks=[StaticHooks], val_loader=Batches())
+    assert t.global_step == 2 and StaticHooks.calls == 2
+    assert set(t.evaluate(Batches())) == {"val_loss"}
+
+
+def test_a_one_shot_batch_is_not_used_up_by_the_shape_check():
+    t = _trainer()
+    assert t.step(iter((X, Y))).stepped
+    assert t.step(b for b in (X, Y)).stepped
+
+
+def test_an_optimizer_like_object_is_still_accepted():
+    class Wrapped:
+        """Not an Optimizer subclass: delegates to one (as some wrappers do)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    t = Trainer(model, Wrapped(torch.optim.SGD(model.parameters(), lr=0.1)), "fp32", device="cpu")
+    before = _weights(t)
+    assert t.step((X, Y)).stepped and not torch.equal(_weights(t)[0], before[0])
+
+
+def test_save_replaces_a_symlink_as_before_without_checking_its_target(tmp_path, monkeypatch):
+    t = _trainer()
+    target = t.save(tmp_path / "ckpt_1.pt")
+    link = tmp_path / "latest.pt"
+    link.symlink_to(target)
+    monkeypatch.setattr(os, "access", lambda p, mode: os.fspath(p) != os.fspath(link))  # as if unwritable
+    t.save(link)
+    assert not link.is_symlink() and link.is_file()

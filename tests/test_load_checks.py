@@ -83,6 +83,9 @@ DAMAGES = {
     "an LR of 'fast'": (_set("optimizer", "param_groups", 0, "lr", "fast"), "param_groups\\[0\\]\\['lr'\\]"),
     "betas of one": (_set("optimizer", "param_groups", 0, "betas", (0.9,)), "betas"),
     "a scaler state without its keys": (_set("scaler", {"scale": 1.0}), "'scaler' is"),
+    # numpy does not range-check it: the next draw crashed the process
+    "a numpy RNG position past its key": (_set("rng", "numpy", "pos", 10**9), "numpy state"),
+    "CUDA RNG states not a list": (_set("rng", "cuda", torch.zeros(16, dtype=torch.uint8)), "CUDA states"),
 }
 
 
@@ -148,3 +151,44 @@ def test_a_third_party_optimizer_may_keep_state_of_any_shape():
     fresh = make()
     fresh.load_state_dict(copy.deepcopy(source.state_dict()))
     assert fresh.optimizer.state[fresh.model.weight]["gram"].shape == (12, 12)
+
+
+def test_what_older_or_other_runs_saved_still_loads():
+    """A saved scaler of {} (GradScaler(enabled=False)), stats without a field added later, and a setting left
+    unset on one side (None) load as before the checks."""
+    source = _trainer()
+    source.step(BATCH)
+    state = copy.deepcopy(source.state_dict())
+    state["scaler"] = {}
+    del state["stats"]["max_scale"]
+    state["optimizer"]["param_groups"][0]["maximize"] = None
+    t = _trainer()
+    t.load_state_dict(state)
+    assert t.engine.global_step == 1
+
+
+def test_muon_with_an_unset_option_loads_into_one_that_sets_it():
+    def make(adjust):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3, bias=False)
+        return Trainer(model, torch.optim.Muon(model.parameters(), lr=0.01, adjust_lr_fn=adjust), "bf16", device="cpu")
+
+    source = make(None)
+    source.step(BATCH)
+    t = make("match_rms_adamw")
+    t.load_state_dict(copy.deepcopy(source.state_dict()))
+    assert t.engine.global_step == 1
+
+
+def test_a_pending_autotune_checks_the_scaler_of_the_policy_it_takes_from_the_checkpoint():
+    source = _trainer("fp16")
+    source.step(BATCH)
+    state = copy.deepcopy(source.state_dict())
+    del state["scaler"]["scale"]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    t = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.1), "auto", autotune=True, device="cpu")
+    policy, weights = t.policy, [p.detach().clone() for p in t.model.parameters()]
+    with pytest.raises(ValueError, match="'scaler' is .*nothing was loaded"):
+        t.load_state_dict(state)
+    assert t.policy is policy and all(torch.equal(a, b) for a, b in zip(t.model.parameters(), weights))
