@@ -7,6 +7,7 @@ and ``tests/test_compat.py`` pins each of them, so the break is loud, not silent
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 import torch
@@ -33,6 +34,18 @@ def forget_unscale(scaler: torch.amp.GradScaler) -> None:
 def non_finite_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """GradScaler's fused check: sets ``found_inf`` to 1 if any gradient is inf/NaN, and multiplies by ``inv_scale``."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def compiled_original(module: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile(module)`` wrapper (dynamo's ``OptimizedModule``) holds; None for any other module.
+
+    Its parameter names carry an ``_orig_mod.`` prefix that torch.distributed.checkpoint's state dicts drop.
+    Looked up without importing dynamo: a model was compiled only if dynamo is loaded already.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return None
 
 
 def current_stream_id(device: torch.device) -> int | None:

@@ -112,7 +112,10 @@ def is_wrapped(model: nn.Module) -> bool:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    """The user's module inside DDP and inside a ``torch.compile`` wrapper (its names, as checkpoints hold them)."""
+    model = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    inner = _compat.compiled_original(model)
+    return model if inner is None else inner  # not `or`: an empty Sequential is falsy
 
 
 def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.device, optimizer: torch.optim.Optimizer) -> nn.Module:

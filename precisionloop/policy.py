@@ -118,7 +118,7 @@ class PrecisionPolicy:
             ValueError: a ``keep_fp32`` pattern matches no module (the message names close ones),
                 or the model has layers an earlier fp8 policy converted.
         """
-        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        inner = _inner(model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model)
         fp32_modules.select_modules(inner, self.keep_fp32)  # names as inside a wrapper, as the Trainer wraps
         fp8.check_converted(inner, allowed=())
 
@@ -135,7 +135,7 @@ class PrecisionPolicy:
         memory_format = self.memory_format(model)
         if memory_format is not torch.contiguous_format:
             model = model.to(memory_format=memory_format)
-        fp32_modules.keep_fp32_(model, self.keep_fp32)
+        fp32_modules.keep_fp32_(_inner(model), self.keep_fp32)
         return model
 
     def prepare_sharding(self, model: nn.Module) -> nn.Module:
@@ -236,6 +236,12 @@ class FP16Policy(PrecisionPolicy):
             backoff_factor=self.backoff_factor,
             growth_interval=self.growth_interval,
         )
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper, whose names (no ``_orig_mod.``) keep_fp32 patterns use."""
+    inner = _compat.compiled_original(model)
+    return model if inner is None else inner
 
 
 _FP32 = torch.finfo(torch.float32)

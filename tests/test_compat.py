@@ -206,3 +206,12 @@ def test_capturable_groups_sets_the_flag_and_restores_each_groups_own():
         with _compat.capturable_groups(opt):
             assert all(g["capturable"] is True for g in opt.param_groups)
         assert [dict(g) for g in opt.param_groups] == before
+
+
+def test_compiled_original_finds_the_module_torch_compile_wrapped():
+    """Pins dynamo's OptimizedModule and its _orig_mod: checkpoints name parameters without that prefix."""
+    linear = nn.Linear(2, 2)
+    wrapped = torch.compile(linear)
+    assert _compat.compiled_original(wrapped) is linear
+    assert _compat.compiled_original(linear) is None
+    assert [n for n, _ in wrapped.named_parameters()] == ["_orig_mod.weight", "_orig_mod.bias"]

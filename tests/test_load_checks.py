@@ -192,3 +192,26 @@ def test_a_pending_autotune_checks_the_scaler_of_the_policy_it_takes_from_the_ch
     with pytest.raises(ValueError, match="'scaler' is .*nothing was loaded"):
         t.load_state_dict(state)
     assert t.policy is policy and all(torch.equal(a, b) for a, b in zip(t.model.parameters(), weights))
+
+
+def test_a_model_the_user_compiled_resumes_exactly():
+    """torch.compile(model) passed in: its names carry _orig_mod., the saved state's do not. It saved, but no load
+    fitted (\"missing _orig_mod.0.weight\"), and keep_fp32 patterns had to name the wrapper's prefix."""
+    from precisionloop import BF16Policy
+
+    def make() -> Trainer:
+        torch.manual_seed(0)
+        model = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+        return Trainer(model, torch.optim.Adam(model.parameters(), lr=0.1), BF16Policy(keep_fp32=("2",)), device="cpu")
+
+    straight = make()
+    straight.step(BATCH)
+    state = copy.deepcopy(straight.state_dict())
+    for _ in range(2):
+        straight.step(BATCH)
+    resumed = make()
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        resumed.step(BATCH)
+    assert _same(list(resumed.model.parameters()), list(straight.model.parameters()))
+    assert resumed.stats == straight.stats
