@@ -10,6 +10,7 @@ import contextlib
 import copy
 import inspect
 import logging
+import numbers
 import os
 import warnings
 from pathlib import Path
@@ -103,9 +104,9 @@ class Trainer:
                          graph_optimizer_step=graph_optimizer_step)
         loop.check_int("grad_accum_steps", grad_accum_steps, 1)
         loop.check_int("max_consecutive_skips", max_consecutive_skips, 1)
-        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real)
                                           or not 0 < max_grad_norm < float("inf")):
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+            raise ValueError(f"max_grad_norm must be a finite number > 0, or None; got {max_grad_norm!r}")
         if scheduler is not None and (isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None))):
             raise ValueError(f"scheduler must be an LR scheduler instance built on the optimizer, got {scheduler!r}")
         if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:

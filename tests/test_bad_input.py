@@ -266,3 +266,12 @@ def test_save_replaces_a_symlink_as_before_without_checking_its_target(tmp_path,
     monkeypatch.setattr(os, "access", lambda p, mode: os.fspath(p) != os.fspath(link))  # as if unwritable
     t.save(link)
     assert not link.is_symlink() and link.is_file()
+
+
+def test_max_grad_norm_takes_any_real_number_and_names_the_rule():
+    import numpy as np
+
+    t = _trainer(max_grad_norm=np.float32(0.5))
+    assert t.step((X, Y)).grad_norm > 0
+    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0, or None; got -1"):
+        _trainer(max_grad_norm=-1)
