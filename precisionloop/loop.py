@@ -13,8 +13,8 @@ import logging
 import os
 import time
 import types
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
