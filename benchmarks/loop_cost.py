@@ -200,10 +200,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default=None, help="default: cuda (the cost that matters is on a GPU)")
     args = p.parse_args(argv)
-    if args.blocks is not None and args.blocks < 1:
-        p.error(f"--blocks must be >= 1, got {args.blocks}")
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    configs = DEFAULT_CONFIGS if args.configs is None else [DEFAULT_CONFIGS[int(i)] for i in args.configs.split(",")]
+    for flag, value, low in (("--blocks", args.blocks, 1), ("--rounds", args.rounds, 1), ("--iters", args.iters, 1),
+                             ("--warmup", args.warmup, 0), ("--fit-steps", args.fit_steps, 1),
+                             ("--fit-epochs", args.fit_epochs, 1), ("--image-size", args.image_size, 16)):
+        if value is not None and value < low:  # checked before any timing: a bad one failed only after the step's
+            p.error(f"{flag} must be >= {low}, got {value}")
+    bench.check_output(p, "--json", args.json)
+    try:
+        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        p.error(f"--device {args.device!r} is not a device; use cuda, cuda:N or cpu")
+    if args.device.type not in ("cuda", "cpu") or (args.device.type == "cuda" and not torch.cuda.is_available()):
+        p.error(f"--device {args.device}: use cuda (when there is one) or cpu")
+    indices = [] if args.configs is None else [s.strip() for s in args.configs.split(",")]
+    if not all(i.isdigit() and int(i) < len(DEFAULT_CONFIGS) for i in indices):
+        p.error(f"--configs takes indices 0-{len(DEFAULT_CONFIGS) - 1} into: "
+                + "; ".join(f"{i} {c.label}" for i, c in enumerate(DEFAULT_CONFIGS)))
+    configs = DEFAULT_CONFIGS if args.configs is None else [DEFAULT_CONFIGS[int(i)] for i in indices]
     before = load_before(args.before) if args.before else None
     name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     report = {"torch": torch.__version__, "device": name, "configs": []}
@@ -224,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name, m in timings.items():
             base = timings["hand (epochs)"] if name.startswith("fit") else timings["hand"]
             ratio = paired_ratio(m, base) if m.rounds_ms and base.rounds_ms and not name.startswith("hand") else None
-            print(f"  {name:<14} {format_time(m):>28}  {format_ratio(ratio) + ' vs hand' if ratio else ''}", flush=True)
+            print(f"  {name:<14} {format_time(m):>28}  {format_ratio(ratio) + ' vs hand' if ratio else ''}"
+                  f"{'error: ' + m.error.strip().splitlines()[0][:160] if getattr(m, 'error', None) else ''}", flush=True)
             entry["systems"][name] = {**m.to_dict(), "vs_hand": ratio}
         report["configs"].append(entry)
     if args.json:

@@ -87,7 +87,7 @@ def _group(precision: str) -> str:
 
 
 def measure_group(bs: int, key: str, args, peers: list[str], peer_precisions: list[str], on_run) -> list[bench.Result]:
-    """Time, interleaved, every system that is compared at batch ``bs`` and our precision ``key``."""
+    """Time, interleaved, every system that is compared at batch ``bs`` and our precision ``key`` (none: nothing)."""
     factories, precision_of, skipped = {}, {}, {}
     if key in args.precisions:
         policy = bench.policy_for(key, args)
@@ -100,6 +100,8 @@ def measure_group(bs: int, key: str, args, peers: list[str], peer_precisions: li
             for peer in peers:
                 factories[peer] = peer_factory(peer, p, bs, args)
                 precision_of[peer] = p
+    if not factories:  # a peer precision of ours not asked for, and the peers not installed (fp16 on the CPU)
+        return []
     measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=args.device,
                            on_run=on_run)
     return [bench.Result.from_measurement(m, precision_of[name], bs, sum(skipped.get(name, [])), **bench.settings_of(args))
@@ -136,7 +138,10 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
     for p in missing:
         print(f"note: {p} is not installed; skipped")
     peers = [p for p in peers if p not in missing]
-    peer_precisions = [p for p in known.peer_precisions.split(",") if p]
+    peer_precisions = [p.strip() for p in known.peer_precisions.split(",") if p.strip()]
+    for p in peer_precisions:
+        if p not in FABRIC:
+            parser.error(f"--peer-precisions: unknown {p!r}; valid: {', '.join(FABRIC)} (fp32 means their TF32 fp32)")
 
     keys = list(dict.fromkeys(args.precisions + [_group(p) for p in peer_precisions]))
     results = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Iterable
 
 import torch
@@ -87,8 +88,9 @@ def gradient_underflow(
         scale: the loss scale to test (a power of two keeps the fp32 product exact).
 
     Raises:
-        ValueError: ``dtype`` is not a floating-point type, ``scale`` is not a finite
-            number > 0, or no nonzero gradient exists.
+        ValueError: ``dtype`` is not a floating-point torch dtype of 16 bits or more (fp8's
+            scaled formats are another question), ``scale`` is not a finite number > 0, or no
+            nonzero gradient exists.
 
     Example:
         >>> import torch
@@ -97,9 +99,12 @@ def gradient_underflow(
         >>> report.nonzero, report.underflow, report.underflow_scaled
         (2, 0.5, 0.0)
     """
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point type such as torch.float16 or torch.bfloat16, got {dtype}")
-    if not (math.isfinite(float(scale)) and float(scale) > 0):
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        # fp8 dtypes have no comparison kernels on every device: the cast test would fail half-way
+        raise ValueError(f"dtype must be a floating-point torch.dtype of 16 bits or more, such as torch.float16 or "
+                         f"torch.bfloat16; got {dtype!r}")
+    if isinstance(scale, (bool, str, bytes)) or not (isinstance(scale, (numbers.Real, torch.Tensor))
+                                                     and math.isfinite(float(scale)) and float(scale) > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     if isinstance(model, nn.Module):
         grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import logging
 import math
+import numbers
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -48,6 +49,7 @@ class Candidate:
             raise ValueError(f"Candidate({self.precision!r}) options {', '.join(unknown)}: its policy takes "
                              f"{', '.join(sorted(known))}")
         dataclasses.replace(policy, **dict(options))  # the policy checks the values (ValueError)
+        compile_mode(self.compile, torch.device("cpu"))  # a mode torch does not know is refused here, not in a trial
 
     def policy(self, device: torch.device) -> PrecisionPolicy:
         return dataclasses.replace(get_policy(self.precision, device), channels_last=self.channels_last, **dict(self.options))
@@ -140,6 +142,28 @@ def default_candidates(model: nn.Module, device: str | torch.device | None = Non
     return candidates
 
 
+def _check_autotune_arguments(model: Any, optimizer_factory: Any, sample_batch: Any, steps: Any, warmup: Any,
+                              rounds: Any, tolerance: Any) -> None:
+    """What a trial would otherwise reject for every candidate alike ("every candidate was rejected")."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(optimizer_factory):
+        raise ValueError(f"optimizer_factory must be a callable taking parameters and returning an optimizer, "
+                         f"such as lambda p: torch.optim.AdamW(p, lr=1e-3); got {optimizer_factory!r}")
+    if sample_batch is None or isinstance(sample_batch, (str, bytes)) or (
+            isinstance(sample_batch, (tuple, list, dict)) and not sample_batch):
+        raise ValueError(f"sample_batch must be a batch as the Trainer takes it ((inputs, targets), or what your "
+                         f"loss_for reads), got {sample_batch!r:.60}")
+    ints = (("steps", steps, 1), ("warmup", warmup, 0), ("rounds", rounds, 1))
+    bad = [f"{name}={value!r}" for name, value, low in ints if isinstance(value, bool) or not isinstance(value, int)
+           or value < low]
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not tolerance > 0:
+        bad.append(f"tolerance={tolerance!r}")
+    if bad:
+        raise ValueError(f"need steps >= 1, warmup >= 0 and rounds >= 1 (ints) and tolerance > 0 (a number); "
+                         f"got {', '.join(bad)}")
+
+
 def _fp8_available(device: torch.device) -> bool:
     try:
         fp8.require_torchao()
@@ -204,11 +228,13 @@ def autotune(
         True
     """
     device = _as_device(device)
-    if steps < 1 or warmup < 0 or rounds < 1 or not tolerance > 0:
-        raise ValueError(f"need steps >= 1, warmup >= 0, rounds >= 1 and tolerance > 0; got {steps}, {warmup}, {rounds}, {tolerance}")
+    _check_autotune_arguments(model, optimizer_factory, sample_batch, steps, warmup, rounds, tolerance)
     candidates = list(candidates) if candidates is not None else default_candidates(model, device)
     if not candidates:
         raise ValueError("no candidates to try")
+    wrong = [c for c in candidates if not isinstance(c, Candidate)]
+    if wrong:
+        raise ValueError(f"candidates must be Candidate objects (precisionloop.Candidate('bf16'), ...), got {wrong[0]!r}")
     loss_for = loss_for or _plain_loss(loss_fn or nn.functional.cross_entropy)
     rng = checkpoint.rng_state()  # trials reseed for equal dropout masks; the caller's RNG must not notice
     try:

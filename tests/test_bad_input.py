@@ -275,3 +275,39 @@ def test_max_grad_norm_takes_any_real_number_and_names_the_rule():
     assert t.step((X, Y)).grad_norm > 0
     with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0, or None; got -1"):
         _trainer(max_grad_norm=-1)
+
+
+# autotune and gradient_underflow: arguments refused before any trial ------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(optimizer_factory=3), "optimizer_factory must be a callable"),
+    (dict(sample_batch=()), "sample_batch must be a batch"),
+    (dict(candidates=["bf16"]), "candidates must be Candidate objects"),
+    (dict(tolerance="0.1"), "tolerance='0.1'"),
+    (dict(steps="2"), "steps='2'"),
+])
+def test_autotune_names_a_bad_argument_instead_of_rejecting_every_candidate(kwargs, message):
+    from precisionloop import autotune
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    args = dict(model=model, optimizer_factory=lambda p: torch.optim.SGD(p, lr=0.1), sample_batch=(X, Y),
+                device="cpu", steps=1, rounds=1, verbose=False)
+    with pytest.raises(ValueError, match=message):
+        autotune(**{**args, **kwargs})
+
+
+def test_a_candidate_with_a_compile_mode_torch_lacks_is_refused_when_made():
+    from precisionloop import Candidate
+
+    with pytest.raises(ValueError, match="a torch.compile mode among .*got 'max-autotun'"):
+        Candidate("bf16", compile="max-autotun")
+
+
+@pytest.mark.parametrize("kwargs", [dict(dtype="fp16"), dict(dtype=None), dict(dtype=torch.float8_e4m3fn),
+                                    dict(scale="65536"), dict(scale=True)])
+def test_gradient_underflow_refuses_what_is_not_a_dtype_or_a_scale(kwargs):
+    from precisionloop.diagnostics import gradient_underflow
+
+    with pytest.raises(ValueError, match="dtype must be|scale must be"):
+        gradient_underflow([("w", torch.tensor([1e-9, 1e-3]))], **kwargs)

@@ -301,3 +301,64 @@ def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
     assert systems["step"]["vs_hand"] is not None and systems["fit"]["vs_hand"] is not None
     assert json.loads(out.read_text())["configs"][0]["config"]["batch_size"] == 32
     assert "bf16 b32 fused-sgd eager" in capsys.readouterr().out
+
+
+# Bad arguments, refused at parsing (a hostile probe, 2026-11-30: each ran its timings or training first, then failed
+# and lost the results, or ran something else than asked) ------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--precisions", "bf16,bf16"], "names bf16 twice"),
+    (["--precisions", "fp32,float32"], "names fp32 twice"),
+    (["--precisions", " "], "names none"),
+    (["--image-size", "0"], "--image-size must be >= 16, got 0"),
+    (["--batch-sizes="], "--batch-sizes takes positive integers"),
+    (["--device", "mps"], "the benchmark runs on cuda, cuda:N or cpu"),
+    (["--precisions", "tf32", "--autotune"], "--autotune chooses among"),
+])
+def test_the_recipe_refuses_bad_arguments_before_measuring(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        resnet18_bench.parse_args(["--device", "cpu", *flags])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["dir", "missing"])
+def test_every_script_refuses_a_json_path_it_could_not_write(where, tmp_path, capsys):
+    from precisionloop.recipes import grad_underflow
+
+    path = str(tmp_path) if where == "dir" else str(tmp_path / "missing" / "out.json")
+    for main in (lambda a: resnet18_bench.parse_args(["--device", "cpu", *a]), lambda a: grad_underflow.main(["--device", "cpu", *a]),
+                 lambda a: _benchmark_script("loop_cost").main(["--device", "cpu", *a])):
+        with pytest.raises(SystemExit):
+            main(["--json", path])
+        assert "--json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fit-steps", "-1"], "--fit-steps must be >= 1"),
+    (["--fit-epochs", "0"], "--fit-epochs must be >= 1"),
+    (["--configs", "-2"], "--configs takes indices 0-"),
+    (["--configs", "a"], "--configs takes indices 0-"),
+    (["--device", "mps"], "use cuda (when there is one) or cpu"),
+])
+def test_loop_cost_refuses_bad_arguments_before_timing(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        _benchmark_script("loop_cost").main(["--device", "cpu", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_grad_underflow_refuses_a_scale_that_is_not_finite(capsys):
+    from precisionloop.recipes import grad_underflow
+
+    for scale in ("nan", "inf"):
+        with pytest.raises(SystemExit):
+            grad_underflow.main(["--device", "cpu", "--scale", scale])
+        assert "--scale a finite number > 0" in capsys.readouterr().err
+
+
+def test_peers_refuses_an_unknown_peer_precision_and_skips_a_group_with_no_system(capsys):
+    peers = _benchmark_script("peers")
+    with pytest.raises(SystemExit):
+        peers.main(["--device", "cpu", "--peer-precisions", "xx"])
+    assert "--peer-precisions: unknown 'xx'" in capsys.readouterr().err
+    assert peers.measure_group(2, "fp16", peers.bench.parse_args([*TINY, "--precisions", "bf16"]), [], ["fp16"],
+                               on_run=lambda r, n: None) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from torch.utils.data import DataLoader
 from precisionloop import Trainer
 from precisionloop.diagnostics import gradient_underflow
 from precisionloop.recipes.data import image_dataset
-from precisionloop.recipes.resnet18_bench import environment
+from precisionloop.recipes.resnet18_bench import check_output, environment
 
 SEED = {"data": "FashionMNIST", "nonzero": 267_787, "median_abs": 8.3e-4, "underflow": 0.0035, "underflow_scaled": 0.000004}
 
@@ -48,13 +49,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", metavar="PATH", help="write the reports here")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.epochs < 0 or args.batch_size < 1 or args.scale <= 0:
-        p.error("--epochs must be >= 0, --batch-size >= 1 and --scale > 0")
+    if args.epochs < 0 or args.batch_size < 1 or not 0 < args.scale < math.inf:
+        p.error(f"--epochs must be >= 0, --batch-size >= 1 and --scale a finite number > 0; got {args.epochs}, "
+                f"{args.batch_size} and {args.scale}")
+    check_output(p, "--json", args.json)
     logging.basicConfig(level=logging.WARNING)
 
     torch.manual_seed(args.seed)
     data, source = image_dataset("FashionMNIST", args.data_dir, args.download, offline="digits")
     print(f"data: {source}")
+    if args.batch_size > len(data):  # drop_last would leave no batch to train on
+        p.error(f"--batch-size {args.batch_size} is larger than the {len(data)} training samples")
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model = seed_cnn()
     # fp32 training: the question is what fp16 would do to these gradients.

@@ -350,11 +350,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not cuda:
             args.notes.append("fp16 left out on the CPU by default: its autocast is ~20x slower than fp32 there (ask with --precisions)")
     args.precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
+    if not args.precisions:
+        p.error(f"--precisions names none; valid: {', '.join(ALL_PRECISIONS)} (comma-separated)")
+    names = {}
     for name in args.precisions:
         try:
-            get_policy(name)
+            policy_name = get_policy(name).name
         except ValueError as e:
             p.error(f"--precisions: {e}")
+        if policy_name in names:  # an alias of one given before (fp32 and float32) would measure it twice
+            p.error(f"--precisions names {policy_name} twice ({names[policy_name]!r} and {name!r})")
+        names[policy_name] = name
+    if args.autotune:
+        tunable = ("fp32", "tf32", "bf16", "fp16") if cuda else ("fp32", "bf16")
+        if not any(n in tunable for n in names):
+            p.error(f"--autotune chooses among {', '.join(tunable)} on {device.type}; --precisions names none of them")
+    check_output(p, "--json", args.json)
     if args.fused is None:
         # FSDP2's sharded parameters have no fused-SGD kernel (the Trainer refuses one): foreach there.
         args.fused = cuda and args.distributed != "fsdp"
@@ -362,7 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--compile {args.compile!r} is not a torch.compile mode; valid: {', '.join(compile_modes())}")
     transformer = args.model == TRANSFORMER
     default_bs = ("8" if cuda else "4") if transformer else ("32,128" if cuda else "8")
-    args.batch_sizes = _ints(p, "--batch-sizes", args.batch_sizes or default_bs)
+    args.batch_sizes = _ints(p, "--batch-sizes", default_bs if args.batch_sizes is None else args.batch_sizes)
     args.iters = args.iters if args.iters is not None else (50 if cuda else 6)
     args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 2)
     # Step by step on CUDA: at batch 32 the host bounds the step, and its speed drifts within a second; blocks of 10
@@ -388,7 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _image_args(p: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool) -> None:
     """Settle --image-size for a torchvision model; the Transformer's size flags do not apply to it."""
-    args.image_size = args.image_size or (224 if cuda else 112)
+    args.image_size = args.image_size if args.image_size is not None else (224 if cuda else 112)
     if args.image_size < 16:
         p.error(f"--image-size must be >= 16, got {args.image_size}")
     given = ["--" + k.replace("_", "-") for k in TRANSFORMER_SIZES if getattr(args, k) is not None]
@@ -423,6 +434,8 @@ def _parse_device(p: argparse.ArgumentParser, text: str | None) -> torch.device:
         p.error(f"--device {text!r} is not a device; use cuda, cuda:N or cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {text} was requested but CUDA is not available; use --device cpu")
+    if device.type not in ("cuda", "cpu"):
+        p.error(f"--device {text}: the benchmark runs on cuda, cuda:N or cpu")
     return device
 
 
@@ -438,6 +451,16 @@ def _cpu_note(args: argparse.Namespace) -> str:
     else:
         inputs = f"{args.image_size}x{args.image_size} inputs"
     return f"CPU run: {inputs} and {args.iters} timed steps per round; wall-clock medians; {rss}"
+
+
+def check_output(p: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    """Refuse, before anything is measured, an output path that cannot be written (results would be lost at the end)."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        p.error(f"{flag} {path!r}: {'is a directory' if os.path.isdir(path) else 'its folder does not exist or is not writable'}; "
+                "give a file path in a writable folder")
 
 
 def _ints(p: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
