@@ -206,12 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
         if value is not None and value < low:  # checked before any timing: a bad one failed only after the step's
             p.error(f"{flag} must be >= {low}, got {value}")
     bench.check_output(p, "--json", args.json)
-    try:
-        args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        p.error(f"--device {args.device!r} is not a device; use cuda, cuda:N or cpu")
-    if args.device.type not in ("cuda", "cpu") or (args.device.type == "cuda" and not torch.cuda.is_available()):
-        p.error(f"--device {args.device}: use cuda (when there is one) or cpu")
+    args.device = bench._parse_device(p, args.device)  # the recipe's: cuda, cuda:N or cpu, else a parser error
     indices = [] if args.configs is None else [s.strip() for s in args.configs.split(",")]
     if not all(i.isdigit() and int(i) < len(DEFAULT_CONFIGS) for i in indices):
         p.error(f"--configs takes indices 0-{len(DEFAULT_CONFIGS) - 1} into: "
@@ -238,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
             base = timings["hand (epochs)"] if name.startswith("fit") else timings["hand"]
             ratio = paired_ratio(m, base) if m.rounds_ms and base.rounds_ms and not name.startswith("hand") else None
             print(f"  {name:<14} {format_time(m):>28}  {format_ratio(ratio) + ' vs hand' if ratio else ''}"
-                  f"{'error: ' + m.error.strip().splitlines()[0][:160] if getattr(m, 'error', None) else ''}", flush=True)
+                  f"{'error: ' + m.error.strip().splitlines()[0][:160] if m.error else ''}", flush=True)
             entry["systems"][name] = {**m.to_dict(), "vs_hand": ratio}
         report["configs"].append(entry)
     if args.json:

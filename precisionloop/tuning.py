@@ -133,7 +133,7 @@ def default_candidates(model: nn.Module, device: str | torch.device | None = Non
     every layer fp8 can take, and the layers it measures to gain.
     """
     device = _as_device(device)
-    precisions = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
+    precisions = tunable_precisions(device)
     layouts: list[bool | None] = [True, False] if any(isinstance(m, nn.Conv2d) for m in model.modules()) else [None]
     compiles: list[bool | str] = [False, True] if compile else [False]
     candidates = [Candidate(p, layout, c) for p in precisions for layout in layouts for c in compiles]
@@ -162,6 +162,11 @@ def _check_autotune_arguments(model: Any, optimizer_factory: Any, sample_batch: 
     if bad:
         raise ValueError(f"need steps >= 1, warmup >= 0 and rounds >= 1 (ints) and tolerance > 0 (a number); "
                          f"got {', '.join(bad)}")
+
+
+def tunable_precisions(device: torch.device) -> list[str]:
+    """The precisions :func:`default_candidates` tries on ``device`` (fp8 aside): tf32 and fp16 only on CUDA."""
+    return ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
 
 
 def _fp8_available(device: torch.device) -> bool:

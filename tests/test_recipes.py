@@ -338,7 +338,7 @@ def test_every_script_refuses_a_json_path_it_could_not_write(where, tmp_path, ca
     (["--fit-epochs", "0"], "--fit-epochs must be >= 1"),
     (["--configs", "-2"], "--configs takes indices 0-"),
     (["--configs", "a"], "--configs takes indices 0-"),
-    (["--device", "mps"], "use cuda (when there is one) or cpu"),
+    (["--device", "mps"], "the benchmark runs on cuda, cuda:N or cpu"),
 ])
 def test_loop_cost_refuses_bad_arguments_before_timing(flags, message, capsys):
     with pytest.raises(SystemExit):

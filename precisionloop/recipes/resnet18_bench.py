@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from precisionloop._compat import compile_modes
 from precisionloop import FP8Policy, Trainer, autotune, get_policy
-from precisionloop.tuning import default_candidates
+from precisionloop.tuning import default_candidates, tunable_precisions
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
                                    noisy_legend, paired_ratio)
 from precisionloop.policy import PrecisionPolicy
@@ -362,7 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--precisions names {policy_name} twice ({names[policy_name]!r} and {name!r})")
         names[policy_name] = name
     if args.autotune:
-        tunable = ("fp32", "tf32", "bf16", "fp16") if cuda else ("fp32", "bf16")
+        tunable = tunable_precisions(device)
         if not any(n in tunable for n in names):
             p.error(f"--autotune chooses among {', '.join(tunable)} on {device.type}; --precisions names none of them")
     check_output(p, "--json", args.json)
