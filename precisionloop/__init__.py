@@ -1,7 +1,9 @@
 """precisionloop: a PyTorch training step around a precision policy (fp32/TF32, bf16, fp16 with loss scaling)."""
 
 from .tuning import AutotuneResult, Candidate, autotune
-from .policy import BF16Policy, FP8Policy, FP16Policy, FP32Policy, PrecisionPolicy, get_policy
+from .fp8 import FP8Policy
+from .policy import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy
+from .precisions import get_policy
 from .trainer import StepResult, Trainer, TrainStats
 
 __all__ = [

@@ -6,13 +6,10 @@ and ``tests/test_compat.py`` pins each of them, so the break is loud, not silent
 
 from __future__ import annotations
 
-import functools
 import sys
-from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.optim import optimizer as _optimizer_module  # asked every step: imported once
 
 
 def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
@@ -46,13 +43,6 @@ def compiled_original(module: nn.Module) -> nn.Module | None:
     if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
         return module._orig_mod
     return None
-
-
-def current_stream_id(device: torch.device) -> int | None:
-    """The current CUDA stream on ``device`` as a plain number (no Stream object: it is asked every step); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
@@ -94,28 +84,6 @@ def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
     torch._foreach_div_(tensors, divisor)
 
 
-def backend_flag_accessors() -> tuple[tuple[Callable[[], Any], Callable[[Any], None]], ...]:
-    """A (getter, setter) pair per TF32 switch and for ``cudnn.benchmark``, in ``policy._read_flags``'s order.
-
-    torch >= 2.9: matmul's, cuDNN conv's and cuDNN RNN's ``fp32_precision``; before: matmul's and
-    cuDNN's ``allow_tf32``; then ``cudnn.benchmark``. Each getter is the C function the public
-    property calls, without its Python lookups: a step reads them all twice, and the properties
-    cost 0.7-2 us a read on a CPU where the functions cost 0.1. The setters stay the public
-    properties (a step writes only the flags that differ), so torch's own checks on a write hold,
-    ``torch.backends.disable_global_flags()`` among them.
-    """
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    # partials, not lambdas: calling one runs no Python frame
-    if hasattr(matmul, "fp32_precision"):
-        tf32 = [(functools.partial(torch._C._get_fp32_precision_getter, "cuda", op),
-                 functools.partial(setattr, owner, "fp32_precision"))
-                for op, owner in (("matmul", matmul), ("conv", cudnn.conv), ("rnn", cudnn.rnn))]
-    else:
-        tf32 = [(torch._C._get_cublas_allow_tf32, functools.partial(setattr, matmul, "allow_tf32")),
-                (torch._C._get_cudnn_allow_tf32, functools.partial(setattr, cudnn, "allow_tf32"))]
-    return (*tf32, (torch._C._get_cudnn_benchmark, functools.partial(setattr, cudnn, "benchmark")))
-
-
 def compile_modes() -> list[str]:
     """The mode names ``torch.compile`` accepts."""
     from torch._inductor import list_mode_options
@@ -135,8 +103,7 @@ class compiled_backward_like_eager:
 
     torch's default (``backward_pass_autocast="same_as_forward"``) traces the backward under the
     forward's autocast, which recasts the backward of regions that ran with autocast off (the
-    ``keep_fp32`` modules) to bf16/fp16. Torch versions without the setting are left alone. A
-    class, not a generator, and the setting set and restored by hand: it is entered every step.
+    ``keep_fp32`` modules) to bf16/fp16. Torch versions without the setting are left alone.
     """
 
     __slots__ = ("_saved",)
@@ -178,46 +145,3 @@ def dense_values(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's stored values: itself when dense, its non-zero values when sparse, its local shard under FSDP2."""
     g = grad._values() if grad.is_sparse else grad
     return g.to_local() if hasattr(g, "to_local") else g
-
-
-def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """Copy each ``src`` tensor into its ``dst`` tensor, in as few kernels as torch can."""
-    torch._foreach_copy_(dst, src)
-
-
-def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """True when ``optimizer.step`` runs hooks: the optimizer's own step hooks or torch's global ones."""
-    return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or _optimizer_module._global_optimizer_pre_hooks or _optimizer_module._global_optimizer_post_hooks)
-
-
-class capturable_groups:
-    """Inside the block, every param group says ``capturable=True``, as Adam and AdamW require under CUDA graph capture.
-
-    Their fused kernels ignore the flag (they keep the step count on the device either way), so only
-    the check in ``step`` sees it; the groups' own values come back on exit.
-    """
-
-    __slots__ = ("_optimizer", "_saved")
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self._optimizer = optimizer
-
-    def __enter__(self) -> None:
-        self._saved = [g.get("capturable", _ABSENT) for g in self._optimizer.param_groups]
-        try:
-            for g in self._optimizer.param_groups:
-                g["capturable"] = True
-        except BaseException:  # a Ctrl-C midway: no group keeps the flag
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        for g, value in zip(self._optimizer.param_groups, self._saved):
-            if value is _ABSENT:
-                del g["capturable"]
-            else:
-                g["capturable"] = value
-
-
-_ABSENT = object()

@@ -19,7 +19,8 @@ from torch import nn
 
 from . import distributed as _dist
 from . import fp32_modules
-from .policy import PrecisionPolicy, get_policy
+from .policy import PrecisionPolicy
+from .precisions import get_policy
 
 FORMAT = "precisionloop-checkpoint"
 VERSION = 1
@@ -156,7 +157,7 @@ def _rng_problem(state: Any) -> str | None:
 def trainer_state(trainer) -> dict:
     """Everything a Trainer needs to resume exactly, as a ``weights_only``-loadable dict."""
     engine, loop = trainer.engine, trainer.loop_state
-    engine.settle()
+    engine.sync()
     model_state, optimizer_state = full_state(trainer.model, trainer.optimizer, engine.distributed)
     rng = rng_state()
     return {
@@ -306,9 +307,8 @@ def _find_class(name: str) -> type | None:
 def restore_trainer(trainer, state: dict) -> None:
     """Load what :func:`trainer_state` returned into ``trainer``; call :func:`check_fits` first, so a misfit changes nothing."""
     engine, loop = trainer.engine, trainer.loop_state
-    engine.discard_verdicts()  # not booked: the counters, stats and scheduler they would change are replaced below
+    engine.discard_pending()  # not booked: the counters, stats and scheduler it would change are replaced below
     engine.discard_window()  # gradients of an open window belong to the run being replaced
-    engine.forget_graph()  # the state it steps is replaced: captured anew, and not counted as a settings change
     load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], engine.distributed)
     if trainer.scheduler is not None and state.get("scheduler") is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])

@@ -8,15 +8,21 @@ when an fp8 policy prepares a model. Converted layers (torchao's ``Float8Linear`
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+import functools
+import logging
+import warnings
+from typing import Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
 
 from . import fp32_modules
+from .policy import BF16Policy, refuse_fp8_layers
 
-__all__ = ["ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "eligible_layers", "default_layers",
-           "check_layers", "convert", "config", "is_float8_linear", "converted_layers", "check_converted", "check_unwrapped",
+log = logging.getLogger(__name__)
+
+__all__ = ["FP8Policy", "ALIGNMENT", "RECIPES", "require_torchao", "check_device", "eligible", "eligible_layers", "default_layers",
+           "check_layers", "convert", "config", "is_float8_linear", "converted_layers", "check_unwrapped",
            "wrap_for_fp8_all_gather", "check_all_gather", "fp8_all_gather_layers", "precompute_scales"]
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -196,22 +202,6 @@ def converted_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if is_float8_linear(m)]
 
 
-def check_converted(model: nn.Module, allowed: Iterable[str] | None) -> None:
-    """Refuse a model with fp8 layers this policy would not have converted (``allowed`` None: any).
-
-    torchao's conversion cannot be undone, so a model trained under fp8 and then handed to a
-    bf16 Trainer would silently keep training those layers in fp8.
-
-    Raises:
-        ValueError: naming the converted layers.
-    """
-    extra = [n for n in converted_layers(model) if allowed is not None and n not in set(allowed)]
-    if extra:
-        raise ValueError(f"layers {', '.join(extra[:5])} were converted to fp8 by an earlier FP8Policy, and torchao's "
-                         "conversion cannot be undone; build the model anew (load its state_dict into a fresh one, "
-                         "the keys are the same) to train it under this policy")
-
-
 def check_unwrapped(model: nn.Module) -> None:
     """Refuse a model the user already wrapped in DDP or FSDP2: it would be used as it is, without fp8.
 
@@ -327,3 +317,138 @@ def precompute_scales(model: nn.Module) -> None:
     step, after loading a checkpoint): a scale left from older weights would clip larger ones.
     """
     require_torchao().precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FP8Policy(BF16Policy):
+    """fp8 matmuls in chosen ``nn.Linear`` layers (torchao's float8 training), bf16 autocast for the rest.
+
+    Needs torchao (``pip install "precisionloop[fp8]"``) and a CUDA GPU of compute capability
+    8.9 or higher. fp8 pays only on large matmuls, and only compiled: ``precisionloop.autotune``
+    times each layer at the shapes it sees and converts those that gain.
+
+    Args:
+        recipe: torchao's scaling recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
+        layers: names (as in ``model.named_modules()``) of the ``nn.Linear`` layers to convert;
+            ``None`` converts every one whose dimensions are multiples of 16, except the
+            first and the last. Only plain ``nn.Linear`` layers without hooks convert (torchao
+            replaces the module). A policy that would convert no layer is refused.
+        emulate: emulate the fp8 matmuls in fp32, on any device (for tests; slow).
+        fsdp_float8_all_gather: under ``distributed="fsdp"``, all-gather the converted layers'
+            weights in fp8 (torchao's fp8 all-gather: half bf16's traffic), their scales computed
+            in one all-reduce after each optimizer step. Only the ``"tensorwise"`` recipe can; the
+            others all-gather bf16 and log so. On the CPU (gloo, which has no fp8 dtypes) every
+            converted layer needs a bias, or this must be False. A converted weight shared with a
+            module that is not converted is refused (the all-gather would untie them). Weights
+            changed outside the Trainer's steps and loads (``model.load_state_dict``, an EMA swap)
+            keep the old weights' all-gather scales until the next optimizer step, which can clip
+            them: change them through ``Trainer.load``.
+
+    Raises:
+        ValueError: an unknown recipe, or a flag that is not True or False.
+    """
+
+    name: ClassVar[str] = "fp8"
+
+    recipe: str = "tensorwise"
+    layers: tuple[str, ...] | None = None
+    emulate: bool = False
+    fsdp_float8_all_gather: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.recipe not in RECIPES:
+            raise ValueError(f"FP8Policy recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        for flag in ("emulate", "fsdp_float8_all_gather"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.layers is not None:
+            try:  # a generator is read once, here
+                names = None if isinstance(self.layers, str) else tuple(self.layers)
+            except TypeError:
+                names = None
+            if names is None or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"layers must be a tuple of module names, got {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(sorted(set(names))))  # frozen: one canonical form
+
+    def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
+        # Everything that can fail, before the Trainer touches the model or the optimizer.
+        require_torchao()
+        check_unwrapped(model)
+        if device is not None:
+            check_device(device, self.emulate)
+        check_layers(model, self.layers)
+        kept = self.kept_modules(model)
+        both = [n for n in self.layers or () if fp32_modules.within(n, kept)]
+        if both:
+            raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
+        # Refused whoever converted them: an earlier policy's recipe, emulation and layers would carry on unseen.
+        refuse_fp8_layers(model)
+        if not self.planned_layers(model):
+            why = ("layers=() names none" if self.layers is not None else
+                   "no nn.Linear but the first and the last has both dimensions a multiple of 16"
+                   if not default_layers(model) else "keep_fp32 keeps every one in fp32")
+            raise ValueError(f"FP8Policy would convert no layer of this {type(model).__name__} to fp8 ({why}), "
+                             "training it in plain bf16 under the name fp8; use precision='bf16', or name the "
+                             "layers with FP8Policy(layers=...)")
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """bf16's preparation, then the chosen ``nn.Linear`` layers converted to fp8 training.
+
+        Raises:
+            ValueError: torchao is missing, the device has no fp8 matmuls (and ``emulate``
+                is off), or a named layer cannot be converted.
+        """
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        check_device(device, self.emulate)
+        model = super().prepare_model(model)
+        model, converted = convert(model, self.recipe, self.emulate, self.layers)
+        log.info("fp8: %d nn.Linear layer(s) converted (%s recipe)", len(converted), self.recipe)
+        return model
+
+    def prepare_sharding(self, model: nn.Module) -> nn.Module:
+        """Wrap the converted layers' weights so FSDP2 all-gathers them in fp8 (tensorwise recipe, flag on).
+
+        Raises:
+            ValueError: before any change, as :func:`wrap_for_fp8_all_gather` says
+                (on the CPU, a converted layer without a bias).
+        """
+        if not self._fp8_all_gather():
+            return model
+        wrapped = wrap_for_fp8_all_gather(model)
+        log.info("fp8: FSDP2 all-gathers %d layer weight(s) in fp8", len(wrapped))
+        return model
+
+    def check_sharding(self, model: nn.Module, device: torch.device) -> None:
+        """Refuse, before the conversion, layers whose weights FSDP2 could not all-gather in fp8 (see ``prepare_sharding``)."""
+        if not self._fp8_all_gather(quiet=True):
+            return
+        check_all_gather(model, self.planned_layers(model), device)
+
+    def kept_modules(self, model: nn.Module) -> set[str]:
+        """Names of the modules of the unprepared ``model`` that ``keep_fp32`` keeps in fp32."""
+        return {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
+
+    def planned_layers(self, model: nn.Module) -> list[str]:
+        """The layers ``prepare_model`` will convert on the unprepared ``model``: chosen or default, none kept in fp32."""
+        kept = self.kept_modules(model)
+        return [n for n in (default_layers(model) if self.layers is None else self.layers)
+                if not fp32_modules.within(n, kept)]
+
+    def _fp8_all_gather(self, quiet: bool = False) -> bool:
+        """Whether FSDP2 all-gathers the converted weights in fp8: the flag is on and the recipe can."""
+        if self.fsdp_float8_all_gather and self.recipe != "tensorwise" and not quiet:
+            log.info("fp8: FSDP2 all-gathers weights in bf16: fp8 all-gather needs the tensorwise recipe, not %s",
+                     self.recipe)
+        return self.fsdp_float8_all_gather and self.recipe == "tensorwise"
+
+    def optimizer_step_hook(self, model: nn.Module) -> Callable[[], None] | None:
+        """Recompute the fp8 all-gather scales in one all-reduce, when the model all-gathers in fp8."""
+        if not fp8_all_gather_layers(model):
+            return None
+        return functools.partial(precompute_scales, model)
+
+    def check_compile(self, mode: str | None, device_type: str) -> None:
+        if mode is None and device_type == "cuda":
+            warnings.warn("fp8 without torch.compile is known to be slower than bf16 (torchao's casts run "
+                          "eagerly); pass compile=True", UserWarning, stacklevel=4)

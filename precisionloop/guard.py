@@ -47,21 +47,14 @@ class GradientGuard(Protocol):
 class _FirstStepCheck:
     """Whether a fused SGD with momentum lacks a momentum buffer for a parameter it is about to step.
 
-    torch's fused SGD allocates the buffers with ``empty_like`` and fills them in the
-    kernel; a step skipped on the device leaves them uninitialised, and the next step
-    reads garbage into the weights. torch's own fp16 recipe (``GradScaler.step``) is hit
-    the same way. Until the buffers exist, the skip is decided on the host instead.
-
-    Buffers go missing when the state is cleared (``optimizer.state.clear()``, a load of a
-    run saved before its first step), when a group's momentum is switched on or its parameter
-    list replaced, and are missing for a parameter whose first gradient comes late (a branch
-    not taken at first). So the last scan is trusted only while the groups (each one's parameter
-    list, its count, fused and momentum on or off), the state object and its size are unchanged
-    and none of the parameters then without a buffer has a gradient. That costs a few comparisons
-    a group, plus ~0.1 us for each such parameter (a frozen layer in the optimizer stays one).
-    Not seen: a buffer deleted by hand from one parameter's state (``del state[p][...]``,
-    ``state[p] = {}``), a group's parameter list edited in place to the same length, or the
-    state object replaced twice between steps (its id may be reused).
+    torch's fused SGD allocates the buffers with ``empty_like`` and fills them in the kernel, so
+    a step skipped on the device leaves them uninitialised and the next step reads garbage into
+    the weights (torch's own ``GradScaler.step`` is hit the same way). Until the buffers exist,
+    the skip is decided on the host. Buffers go missing when the state is cleared or loaded
+    empty, when a group's momentum is switched on or its parameter list replaced, and for a
+    parameter whose first gradient comes late; so the last scan holds only while ``_key_of`` is
+    unchanged and no parameter then without a buffer has a gradient. Not seen: a buffer deleted
+    by hand from one parameter's state, or a parameter list edited in place to the same length.
     """
 
     def __init__(self) -> None:
@@ -207,80 +200,31 @@ class FiniteGuard:
 
     scaler = None
 
-    _SLAB = 256  # verdict flags per zero-filled slab
-
     def __init__(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.all_reduce_max = all_reduce_max
-        self._ones: dict[torch.device, torch.Tensor] = {}
-        # Per device: a slab's zeros, the next unused one, the CUDA stream that filled it.
-        self._zeros: dict[torch.device, tuple[tuple[torch.Tensor, ...], int, int | None]] = {}
         self._first = _FirstStepCheck()
-        self._plain = -1  # the gradient count last seen all dense, plain tensors on one device and dtype
+        self._ones: dict[torch.device, torch.Tensor] = {}  # the inverse scale of one, read-only, per device
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        # The same count as a step seen all dense on one device: one kernel, no regrouping and no per-gradient
-        # check (it costs ~0.1 us a gradient every step). A gradient of another kind with that count (a sparse one,
-        # from an embedding used on some steps only) makes torch refuse the kernel before it runs: group then.
-        if grads and self._plain == len(grads):
-            device = grads[0].device
-            found = self._zero_on(device)
-            try:
-                _compat.non_finite_check_(grads, found, self._ones_on(device))
-            except (RuntimeError, NotImplementedError):
-                self._plain = -1
-            else:
-                return self._agree(found)  # outside the try: a failed collective is not retried
-        return self._grouped(grads)
-
-    def _grouped(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The check per (device, dtype) group, the verdicts summed on the first group's device."""
+        """The fused check per (device, dtype) group, with an inverse scale of 1; the verdicts summed on one device."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
             g = _compat.dense_values(g)
             groups.setdefault((g.device, g.dtype), []).append(g)
         device = next(iter(groups))[0] if groups else torch.device("cpu")
-        found = self._zero_on(device)
+        # fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
+        found = torch.zeros((), dtype=torch.float32, device=device)
         for (where, _), tensors in groups.items():
-            here = found if where == device else self._zero_on(where)
-            _compat.non_finite_check_(tensors, here, self._ones_on(where))  # an inverse scale of 1 leaves them alone
+            here = found if where == device else torch.zeros((), dtype=torch.float32, device=where)
+            ones = self._ones.get(where)
+            if ones is None:
+                ones = self._ones[where] = torch.ones((), dtype=torch.float32, device=where)
+            _compat.non_finite_check_(tensors, here, ones)
             if here is not found:
                 found += here.to(device)
-        if len(groups) == 1 and all(g.layout == torch.strided and type(g) is torch.Tensor for g in grads):
-            self._plain = len(grads)  # the same parameters next step take the one-kernel path
-        return self._agree(found)
-
-    def _zero_on(self, device: torch.device) -> torch.Tensor:
-        """A fresh fp32 zero for a verdict: the next unused element of a zero-filled slab.
-
-        A fill per step would cost a kernel launch (tens of microseconds of host time on some
-        hosts); a slab costs one every ``_SLAB`` steps. No element is handed out twice, so a
-        verdict the step returned (or a queued kernel) never sees it change. The slab is filled on
-        the CUDA stream current when it is made, and a step on another stream gets a new slab, so
-        its check never depends on a fill queued elsewhere (no step waits for the last one). Like
-        the model's weights, the inverse scale of one (``_ones_on``) is made once: a caller that
-        switches streams must order them, as for any tensor two streams share.
-        fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
-        """
-        stream = _compat.current_stream_id(device)
-        zeros, used, made_on = self._zeros.get(device, ((), self._SLAB, stream))
-        if used >= self._SLAB or made_on != stream:
-            # Outside inference mode, or a step under it (a flush) would leave later steps a slab they cannot write.
-            with torch.inference_mode(False):
-                # its elements as views, made in one call: indexing a tensor each step costs more
-                zeros, used = torch.zeros(self._SLAB, dtype=torch.float32, device=device).unbind(), 0
-        self._zeros[device] = (zeros, used + 1, stream)
-        return zeros[used]
-
-    def _ones_on(self, device: torch.device) -> torch.Tensor:
-        ones = self._ones.get(device)
-        if ones is None:
-            ones = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
-        return ones
-
-    def _agree(self, found: torch.Tensor) -> torch.Tensor:
         if self.all_reduce_max is not None:
             self.all_reduce_max(found)
         return found

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import os
 import time
@@ -22,8 +21,10 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, diagnostics
 from . import distributed as _dist
+from .batches import batch_size
+from .checks import check_callbacks, check_directory, check_flag, check_int, check_loader, is_plateau
 
-__all__ = ["LoopState", "fit", "evaluate", "batch_size"]
+__all__ = ["LoopState", "FitOptions", "fit", "evaluate"]
 
 log = logging.getLogger(__name__)
 _END = object()
@@ -39,8 +40,8 @@ class LoopState:
 
 
 @dataclasses.dataclass(frozen=True)
-class FitPlan:
-    """``fit``'s arguments, checked once."""
+class FitOptions:
+    """``fit``'s options, checked once, before the first step."""
 
     epochs: int
     max_steps: int | None = None
@@ -62,79 +63,18 @@ class FitPlan:
             raise ValueError("checkpoint_every needs a checkpoint_dir to write to")
         if self.checkpoint_dir is not None and self.checkpoint_every is None:
             raise ValueError("checkpoint_dir is written every checkpoint_every optimizer steps: set checkpoint_every too")
-        if not isinstance(self.callbacks, (list, tuple)):
-            raise ValueError(f"callbacks must be a list or tuple of callback objects, got {type(self.callbacks).__name__}")
-        for i, cb in enumerate(self.callbacks):
-            _check_callback(i, cb)
+        check_callbacks(self.callbacks)
         if self.keep_last is not None and self.checkpoint_every is None:
             raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
         check_flag("progress", self.progress)
         if self.checkpoint_dir is not None:
-            _check_directory(self.checkpoint_dir)
+            check_directory("checkpoint_dir", self.checkpoint_dir)
 
     def reached(self, global_step: int) -> bool:
         return self.max_steps is not None and global_step >= self.max_steps
 
 
-_HOOKS = ("on_step_end", "on_epoch_end")
-
-
-def _check_callback(index: int, cb: Any) -> None:
-    """A callback is an object whose hooks, where it has them, are callable; a class or a bare function is not one.
-
-    A function would be skipped without a word (it has neither hook), a class would fail at the first step
-    (unless its hooks are static or class methods, which need no instance).
-    """
-    hooks = [getattr(cb, name, None) for name in _HOOKS]
-    why = None
-    if isinstance(cb, type):
-        if not any(hooks) or any(isinstance(inspect.getattr_static(cb, name, None), types.FunctionType) for name in _HOOKS):
-            why = f"the class {cb.__name__} (pass an instance)"
-    elif callable(cb) and not any(hooks):
-        why = repr(cb)[:80]
-    elif not all(h is None or callable(h) for h in hooks):
-        why = f"{repr(cb)[:80]}, whose hooks are not all callable"
-    if why:
-        raise ValueError(f"callbacks[{index}] is {why}; a callback is an object with an on_step_end(trainer, result) "
-                         "and/or an on_epoch_end(trainer, record) method")
-
-
-def _check_directory(path: Any) -> None:
-    """checkpoint_dir: a non-empty path that is a directory or does not exist yet (it is made at the first save)."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"checkpoint_dir must be a non-empty path (str or os.PathLike), got {path!r}")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"checkpoint_dir {os.fspath(path)!r} exists and is not a directory")
-
-
-def check_flag(name: str, value: object) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is True or False (or 1 or 0): a string such as "no" is true."""
-    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def check_loader(name: str, loader: Any) -> None:
-    """Raise a ValueError naming ``name`` unless ``loader`` can be iterated (a DataLoader, a list of batches, ...).
-
-    Iterable through ``__iter__`` or, as Python allows, ``__getitem__`` (a Dataset whose items are batches).
-    """
-    if not (isinstance(loader, Iterable) or hasattr(type(loader), "__getitem__")) or isinstance(loader, (str, bytes)):
-        raise ValueError(f"{name} must be an iterable of batches (a DataLoader, a list of batches, ...), "
-                         f"got {type(loader).__name__}")
-
-
-def check_int(name: str, value: object, low: int) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is an int >= ``low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
-def is_plateau(scheduler: Any) -> bool:
-    """True for schedulers stepped with a metric (ReduceLROnPlateau), which fit steps once per epoch."""
-    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-
-
-def fit(trainer, train_loader: Iterable, plan: FitPlan, val_loader: Iterable | None,
+def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterable | None,
         metrics: Mapping[str, Any] | None) -> list[dict]:
     """:meth:`Trainer.fit`'s body; see its docstring."""
     check_loader("train_loader", train_loader)
@@ -148,20 +88,20 @@ def fit(trainer, train_loader: Iterable, plan: FitPlan, val_loader: Iterable | N
         # Each rank sees its share of the data; only rank 0 reports and writes.
         train_loader = _dist.shard_loader(train_loader)
         val_loader = _dist.shard_loader(val_loader) if val_loader is not None else None
-        plan = dataclasses.replace(plan, progress=plan.progress and _dist.is_main())
+        options = dataclasses.replace(options, progress=options.progress and _dist.is_main())
     trainer.model.train()  # a model left in eval mode would train with frozen dropout and batch norms
     engine, state = trainer.engine, trainer.loop_state
-    engine.probe = _underflow_probe(trainer, plan.underflow_every) if plan.underflow_every else None
+    engine.probe = _underflow_probe(trainer, options.underflow_every) if options.underflow_every else None
     history = []
     try:
-        while state.epoch < plan.epochs and not plan.reached(engine.global_step):
-            record = _run_epoch(trainer, train_loader, plan)
+        while state.epoch < options.epochs and not options.reached(engine.global_step):
+            record = _run_epoch(trainer, train_loader, options)
             if record["complete"] and val_loader is not None:
                 record.update(validate(trainer, val_loader, metrics))
                 if is_plateau(trainer.scheduler):
                     trainer.scheduler.step(record["val_loss"])
             history.append(record)
-            for cb in plan.callbacks:
+            for cb in options.callbacks:
                 if hasattr(cb, "on_epoch_end"):
                     cb.on_epoch_end(trainer, record)
     finally:
@@ -229,44 +169,45 @@ def _flush(trainer):
         raise
 
 
-def _run_epoch(trainer, loader: Iterable, plan: FitPlan) -> dict:
+def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
     engine, state = trainer.engine, trainer.loop_state
     # trainer.stats books the steps taken before this epoch (it may raise their skip limit: before anything opens),
     # so the epoch's skipped count starts from them.
-    skipped_before = trainer.stats.skipped
+    totals = _EpochTotals(trainer, trainer.stats.skipped)
     iterator, resume_at = _start_epoch(trainer, loader)
     total = len(loader) if hasattr(loader, "__len__") else None
-    bar = tqdm(total=total, initial=resume_at, desc=f"epoch {state.epoch + 1}/{plan.epochs}", disable=not plan.progress,
-               dynamic_ncols=True, leave=True)
-    tally = _Tally(trainer.device, engine.global_step, skipped_before, len(trainer.underflow_history))
-    flags = _HeldFlags(trainer)
+    bar = tqdm(total=total, initial=resume_at, desc=f"epoch {state.epoch + 1}/{options.epochs}",
+               disable=not options.progress, dynamic_ncols=True, leave=True)
     complete = True
     with contextlib.ExitStack() as cleanup:  # last in, first out; each runs even if one before it raised
-        cleanup.callback(flags.release)  # the caller's flags come back last
+        flags = cleanup.enter_context(contextlib.ExitStack())  # the caller's flags come back last
         cleanup.callback(bar.close)
         cleanup.callback(_close_generator, iterator, loader)
         cleanup.callback(setattr, engine, "sync_next", False)
-        flags.hold(trainer.policy)
+        held = trainer.policy
+        flags.enter_context(held.backend_flags())
         for batch in iterator:
             engine.sync_next = total is not None and state.batch_in_epoch + 1 == total
             result = _step(trainer, batch)
-            if trainer.policy is not flags.policy:  # autotune chose another policy at the first step
-                flags.hold(trainer.policy)
-            tally.add(result, batch)
-            if plan.progress:
+            if trainer.policy is not held:  # autotune chose another policy at the first step
+                flags.close()
+                held = trainer.policy
+                flags.enter_context(held.backend_flags())
+            totals.add(result, batch)
+            if options.progress:
                 bar.update(1)
-                if tally.count % plan.log_every == 0:
+                if totals.count % options.log_every == 0:
                     bar.set_postfix(_postfix(engine), refresh=False)
-            if _after_step(trainer, result, plan):
+            if _after_step(trainer, result, options):
                 complete = total is not None and state.batch_in_epoch >= total  # stopped on the last batch
                 break
         else:
             result = _flush(trainer)
             if result is not None:
-                _after_step(trainer, result, plan)
+                _after_step(trainer, result, options)
     if complete:
         state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
-    return tally.record(trainer, complete)
+    return totals.record(trainer, complete)
 
 
 def _close_generator(iterator: Any, loader: Iterable) -> None:
@@ -275,75 +216,36 @@ def _close_generator(iterator: Any, loader: Iterable) -> None:
         iterator.close()
 
 
-class _HeldFlags:
-    """The policy's backend flags, set for a whole epoch and restored at its end.
-
-    While they are held, ``trainer.step`` leaves them alone: without this, every step would write
-    the flags and restore the caller's (10-20 us of host time a step, which shows when the host
-    bounds the step), and a policy whose ``backend_flags()`` returns one reusable object could not
-    enter it again. A ``fit`` called from a callback finds them held already and leaves them be. A
-    callback that changes them changes them for the epoch's remaining steps; the epoch's end
-    restores what the caller had when it began.
-    """
-
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
-        self.policy = None
-        self._open = None
-        self._before = None
-
-    def hold(self, policy) -> None:
-        self.release()
-        self.policy = policy
-        if self.trainer._flags_held_for is policy:
-            return
-        context = policy.backend_flags()
-        context.__enter__()
-        self._open, self._before, self.trainer._flags_held_for = context, self.trainer._flags_held_for, policy
-
-    def release(self) -> None:
-        if self._open is not None:
-            context, self._open = self._open, None
-            self.trainer._flags_held_for = self._before
-            context.__exit__(None, None, None)
-
-
-def _after_step(trainer, result, plan: FitPlan) -> bool:
+def _after_step(trainer, result, options: FitOptions) -> bool:
     """Callbacks and periodic checkpoints after a micro-step; True when ``max_steps`` is reached."""
-    for cb in plan.callbacks:
+    for cb in options.callbacks:
         if hasattr(cb, "on_step_end"):
             cb.on_step_end(trainer, result)
     if not result.due:
         return False
-    if plan.checkpoint_every is not None and trainer.global_step % plan.checkpoint_every == 0:
-        _periodic_save(trainer, Path(plan.checkpoint_dir), plan.keep_last)
-    return plan.reached(trainer.global_step)
+    if options.checkpoint_every is not None and trainer.global_step % options.checkpoint_every == 0:
+        _periodic_save(trainer, Path(options.checkpoint_dir), options.keep_last)
+    return options.reached(trainer.global_step)
 
 
-class _Tally:
-    """An epoch's running loss, sample count and the counters at its start."""
+class _EpochTotals:
+    """An epoch's summed loss (on the device: no sync per step), its sample count and the counters at its start."""
 
-    def __init__(self, device: torch.device, steps: int, skipped: int, measured: int):
-        self.loss_sum, self.count, self.samples = torch.zeros((), dtype=torch.float32, device=device), 0, 0
-        self.losses: list[torch.Tensor] = []  # summed in batches: one kernel per 256 steps, not one per step
-        self.steps_before, self.skipped_before, self.measured_before = steps, skipped, measured
+    def __init__(self, trainer, skipped_before: int):
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        self.count, self.samples = 0, 0
+        self.steps_before, self.skipped_before = trainer.global_step, skipped_before
+        self.measured_before = len(trainer.underflow_history)
         self.start = time.perf_counter()
 
     def add(self, result, batch: Any) -> None:
-        self.losses.append(result._loss)
-        if len(self.losses) == 256:
-            self._fold()
+        loss = result._loss
+        self.loss_sum += loss if isinstance(loss, torch.Tensor) else float(loss)
         self.count += 1
         self.samples += batch_size(batch) or 0
 
-    def _fold(self) -> None:
-        if self.losses:
-            self.loss_sum += torch.stack(self.losses).float().sum()
-            self.losses.clear()
-
     def record(self, trainer, complete: bool) -> dict:
         elapsed = time.perf_counter() - self.start
-        self._fold()
         loss_sum, count, samples = self.loss_sum, self.count, self.samples
         if trainer.distributed:
             device = trainer.device
@@ -412,7 +314,7 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
     loss_sum, count = torch.zeros((), dtype=torch.float32, device=device), 0
     try:
         # The flags of the policy in force now: autotune may have replaced the one fit started with.
-        with trainer._backend_flags(), torch.no_grad():
+        with trainer.policy.backend_flags(), torch.no_grad():
             for batch in loader:
                 n = batch_size(batch)
                 if n == 0:
@@ -461,17 +363,3 @@ def check_metrics(metrics: Mapping[str, Any] | None, loader: Iterable | None) ->
         if not isinstance(metric, Metric):
             raise TypeError(f"metrics[{name!r}] must be a torchmetrics.Metric, got {type(metric).__name__}")
     return dict(metrics)
-
-
-def batch_size(batch: Any) -> int | None:
-    """The leading dimension of the first tensor in a (nested) batch; None when it holds no tensor."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = batch_size(item)
-            if size is not None:
-                return size
-    return None

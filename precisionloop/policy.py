@@ -1,27 +1,24 @@
-"""Precision policies: the compute dtype, the loss scaler and the backend flags of a training step.
+"""Precision policies: the compute dtype, the gradient guard and the backend flags of a training step.
 
-Every precision string is parsed here, in :func:`get_policy`, and nowhere else.
+A policy is a frozen dataclass; the Trainer only asks it (see :class:`PrecisionPolicy`). Precision
+strings are parsed in :mod:`precisionloop.precisions`, nowhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import logging
-import numbers
-import warnings
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
-from . import _compat, fp8, fp32_modules
+from . import _compat, fp32_modules
+from .checks import check_real
+from .devices import check_device_support
 from .guard import FiniteGuard, GradientGuard, ScalerGuard
 
-__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "FP16Policy", "FP8Policy", "get_policy", "PRECISIONS"]
-
-log = logging.getLogger(__name__)
+__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "FP16Policy", "refuse_fp8_layers"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,12 +72,7 @@ class PrecisionPolicy:
         object.__setattr__(self, "keep_fp32", fp32_modules.validate_keep_fp32(self.keep_fp32))  # frozen: normalise once
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
-        """A context manager for the forward pass and the loss.
-
-        The step keeps a ``torch.autocast`` returned here and enters it step after step (it asks
-        again for a new policy, when the autocast cache setting or default dtype changes, and for a
-        step nested in another); any other context manager is asked for anew each step.
-        """
+        """A context manager for the forward pass and the loss, asked for anew each step."""
         if self.compute_dtype == torch.float32:
             # An explicit disabled autocast also switches off any autocast the caller opened.
             return torch.autocast(device_type, enabled=False)
@@ -95,10 +87,12 @@ class PrecisionPolicy:
         scaler = self.make_scaler(device_type)
         return ScalerGuard(scaler) if scaler is not None else FiniteGuard()
 
-    def backend_flags(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def backend_flags(self) -> Iterator[None]:
         """Set TF32 and ``cudnn.benchmark`` while the block runs, then restore the caller's values."""
         benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
-        return _BackendFlags((_tf32_flags(self.tf32), benchmark))
+        with _flags_set((*_tf32_values(self.tf32), benchmark)):
+            yield
 
     def check_compile(self, mode: str | None, device_type: str) -> None:
         """Say so (a warning) if this policy is known to run slowly with this compile mode; silent by default."""
@@ -120,7 +114,7 @@ class PrecisionPolicy:
         """
         inner = _inner(model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model)
         fp32_modules.select_modules(inner, self.keep_fp32)  # names as inside a wrapper, as the Trainer wraps
-        fp8.check_converted(inner, allowed=())
+        refuse_fp8_layers(inner)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Check that the model's device supports this policy, convert its layout, keep ``keep_fp32`` modules fp32.
@@ -131,7 +125,7 @@ class PrecisionPolicy:
         """
         device = next((p.device for p in model.parameters()), None)
         if device is not None:
-            _check_device_support(self, device)
+            check_device_support(self.name, self.compute_dtype, device)
         memory_format = self.memory_format(model)
         if memory_format is not torch.contiguous_format:
             model = model.to(memory_format=memory_format)
@@ -220,10 +214,10 @@ class FP16Policy(PrecisionPolicy):
         # whose inverse overflows makes torch's unscale turn finite gradients into inf/NaN without flagging
         # them (its check reads the gradients before the multiply), so the range is fp32's normal numbers.
         tiny, big = _FP32.tiny, _FP32.max
-        _check_real("init_scale", self.init_scale, lambda v: tiny <= v <= big,
-                    f"a number in [{tiny:.4g}, {big:.4g}] (fp32's normal range)")
-        _check_real("growth_factor", self.growth_factor, lambda v: 1 < v <= big, "a number > 1, finite in fp32")
-        _check_real("backoff_factor", self.backoff_factor, lambda v: tiny <= v < 1, f"a number in [{tiny:.4g}, 1)")
+        check_real("init_scale", self.init_scale, lambda v: tiny <= v <= big,
+                   f"a number in [{tiny:.4g}, {big:.4g}] (fp32's normal range)")
+        check_real("growth_factor", self.growth_factor, lambda v: 1 < v <= big, "a number > 1, finite in fp32")
+        check_real("backoff_factor", self.backoff_factor, lambda v: tiny <= v < 1, f"a number in [{tiny:.4g}, 1)")
         if (isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int)
                 or not 1 <= self.growth_interval <= _INT32_MAX):
             raise ValueError(f"growth_interval must be an int in [1, {_INT32_MAX}], got {self.growth_interval!r}")
@@ -248,356 +242,47 @@ _FP32 = torch.finfo(torch.float32)
 _INT32_MAX = torch.iinfo(torch.int32).max
 
 
-def _check_real(name: str, value: object, in_range: Callable[[float], bool], valid: str) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is a real number (not a bool or a tensor) in range."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not in_range(float(value)):
-        raise ValueError(f"{name} must be {valid}, got {value!r}")
+def refuse_fp8_layers(model: nn.Module) -> None:
+    """Refuse a model with layers an earlier fp8 policy converted: torchao's conversion cannot be undone.
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FP8Policy(BF16Policy):
-    """fp8 matmuls in chosen ``nn.Linear`` layers (torchao's float8 training), bf16 autocast for the rest.
-
-    Needs torchao (``pip install "precisionloop[fp8]"``) and a CUDA GPU of compute capability
-    8.9 or higher. fp8 pays only on large matmuls, and only compiled: ``precisionloop.autotune``
-    times each layer at the shapes it sees and converts those that gain.
-
-    Args:
-        recipe: torchao's scaling recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
-        layers: names (as in ``model.named_modules()``) of the ``nn.Linear`` layers to convert;
-            ``None`` converts every one whose dimensions are multiples of 16, except the
-            first and the last. Only plain ``nn.Linear`` layers without hooks convert (torchao
-            replaces the module). A policy that would convert no layer is refused.
-        emulate: emulate the fp8 matmuls in fp32, on any device (for tests; slow).
-        fsdp_float8_all_gather: under ``distributed="fsdp"``, all-gather the converted layers'
-            weights in fp8 (torchao's fp8 all-gather: half bf16's traffic), their scales computed
-            in one all-reduce after each optimizer step. Only the ``"tensorwise"`` recipe can; the
-            others all-gather bf16 and log so. On the CPU (gloo, which has no fp8 dtypes) every
-            converted layer needs a bias, or this must be False. A converted weight shared with a
-            module that is not converted is refused (the all-gather would untie them). Weights
-            changed outside the Trainer's steps and loads (``model.load_state_dict``, an EMA swap)
-            keep the old weights' all-gather scales until the next optimizer step, which can clip
-            them: change them through ``Trainer.load``.
+    Found by class name through the MRO, without importing torchao (FSDP2 swaps a sharded
+    module's class for a subclass).
 
     Raises:
-        ValueError: an unknown recipe, or a flag that is not True or False.
+        ValueError: naming the converted layers.
     """
-
-    name: ClassVar[str] = "fp8"
-
-    recipe: str = "tensorwise"
-    layers: tuple[str, ...] | None = None
-    emulate: bool = False
-    fsdp_float8_all_gather: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.recipe not in fp8.RECIPES:
-            raise ValueError(f"FP8Policy recipe must be one of {', '.join(fp8.RECIPES)}, got {self.recipe!r}")
-        for flag in ("emulate", "fsdp_float8_all_gather"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
-        if self.layers is not None:
-            try:  # a generator is read once, here
-                names = None if isinstance(self.layers, str) else tuple(self.layers)
-            except TypeError:
-                names = None
-            if names is None or not all(isinstance(n, str) for n in names):
-                raise ValueError(f"layers must be a tuple of module names, got {self.layers!r}")
-            object.__setattr__(self, "layers", tuple(sorted(set(names))))  # frozen: one canonical form
-
-    def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
-        # Everything that can fail, before the Trainer touches the model or the optimizer.
-        fp8.require_torchao()
-        fp8.check_unwrapped(model)
-        if device is not None:
-            fp8.check_device(device, self.emulate)
-        fp8.check_layers(model, self.layers)
-        kept = self.kept_modules(model)
-        both = [n for n in self.layers or () if fp32_modules.within(n, kept)]
-        if both:
-            raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
-        # Refused whoever converted them: an earlier policy's recipe, emulation and layers would carry on unseen.
-        fp8.check_converted(model, allowed=())
-        if not self.planned_layers(model):
-            why = ("layers=() names none" if self.layers is not None else
-                   "no nn.Linear but the first and the last has both dimensions a multiple of 16"
-                   if not fp8.default_layers(model) else "keep_fp32 keeps every one in fp32")
-            raise ValueError(f"FP8Policy would convert no layer of this {type(model).__name__} to fp8 ({why}), "
-                             "training it in plain bf16 under the name fp8; use precision='bf16', or name the "
-                             "layers with FP8Policy(layers=...)")
-
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """bf16's preparation, then the chosen ``nn.Linear`` layers converted to fp8 training.
-
-        Raises:
-            ValueError: torchao is missing, the device has no fp8 matmuls (and ``emulate``
-                is off), or a named layer cannot be converted.
-        """
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        fp8.check_device(device, self.emulate)
-        model = super().prepare_model(model)
-        model, converted = fp8.convert(model, self.recipe, self.emulate, self.layers)
-        log.info("fp8: %d nn.Linear layer(s) converted (%s recipe)", len(converted), self.recipe)
-        return model
-
-    def prepare_sharding(self, model: nn.Module) -> nn.Module:
-        """Wrap the converted layers' weights so FSDP2 all-gathers them in fp8 (tensorwise recipe, flag on).
-
-        Raises:
-            ValueError: before any change, as :func:`precisionloop.fp8.wrap_for_fp8_all_gather` says
-                (on the CPU, a converted layer without a bias).
-        """
-        if not self._fp8_all_gather():
-            return model
-        wrapped = fp8.wrap_for_fp8_all_gather(model)
-        log.info("fp8: FSDP2 all-gathers %d layer weight(s) in fp8", len(wrapped))
-        return model
-
-    def check_sharding(self, model: nn.Module, device: torch.device) -> None:
-        """Refuse, before the conversion, layers whose weights FSDP2 could not all-gather in fp8 (see ``prepare_sharding``)."""
-        if not self._fp8_all_gather(quiet=True):
-            return
-        fp8.check_all_gather(model, self.planned_layers(model), device)
-
-    def kept_modules(self, model: nn.Module) -> set[str]:
-        """Names of the modules of the unprepared ``model`` that ``keep_fp32`` keeps in fp32."""
-        return {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
-
-    def planned_layers(self, model: nn.Module) -> list[str]:
-        """The layers ``prepare_model`` will convert on the unprepared ``model``: chosen or default, none kept in fp32."""
-        kept = self.kept_modules(model)
-        return [n for n in (fp8.default_layers(model) if self.layers is None else self.layers)
-                if not fp32_modules.within(n, kept)]
-
-    def _fp8_all_gather(self, quiet: bool = False) -> bool:
-        """Whether FSDP2 all-gathers the converted weights in fp8: the flag is on and the recipe can."""
-        if self.fsdp_float8_all_gather and self.recipe != "tensorwise" and not quiet:
-            log.info("fp8: FSDP2 all-gathers weights in bf16: fp8 all-gather needs the tensorwise recipe, not %s",
-                     self.recipe)
-        return self.fsdp_float8_all_gather and self.recipe == "tensorwise"
-
-    def optimizer_step_hook(self, model: nn.Module) -> Callable[[], None] | None:
-        """Recompute the fp8 all-gather scales in one all-reduce, when the model all-gathers in fp8."""
-        if not fp8.fp8_all_gather_layers(model):
-            return None
-        return functools.partial(fp8.precompute_scales, model)
-
-    def check_compile(self, mode: str | None, device_type: str) -> None:
-        if mode is None and device_type == "cuda":
-            warnings.warn("fp8 without torch.compile is known to be slower than bf16 (torchao's casts run "
-                          "eagerly); pass compile=True", UserWarning, stacklevel=4)
+    converted = [n for n, m in model.named_modules() if any(c.__name__ == "Float8Linear" for c in type(m).__mro__)]
+    if converted:
+        raise ValueError(f"layers {', '.join(converted[:5])} were converted to fp8 by an earlier FP8Policy, and "
+                         "torchao's conversion cannot be undone; build the model anew (load its state_dict into a "
+                         "fresh one, the keys are the same) to train it under this policy")
 
 
-# The one precision table: canonical name -> factory, then every accepted spelling.
-PRECISIONS: dict[str, Callable[[], PrecisionPolicy]] = {
-    "fp32": lambda: FP32Policy(tf32=False),
-    "tf32": lambda: FP32Policy(tf32=True),
-    "bf16": BF16Policy,
-    "fp16": FP16Policy,
-    "fp8": FP8Policy,
-}
-_ALIASES = {
-    "float32": "fp32", "32": "fp32", "32-true": "fp32", "full": "fp32",
-    "bfloat16": "bf16", "bf16-mixed": "bf16",
-    "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16",
-    "float8": "fp8", "8": "fp8",
-}
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# torch >= 2.9 has per-backend ``fp32_precision`` settings, and mixing them with the legacy
+# ``allow_tf32`` switches raises, so use whichever API this torch provides.
+_MATMUL, _CUDNN = torch.backends.cuda.matmul, torch.backends.cudnn
+_NEW_TF32_API = hasattr(_MATMUL, "fp32_precision")
+_FLAGS = (((_MATMUL, "fp32_precision"), (_CUDNN.conv, "fp32_precision"), (_CUDNN.rnn, "fp32_precision"))
+          if _NEW_TF32_API else ((_MATMUL, "allow_tf32"), (_CUDNN, "allow_tf32"))) + ((_CUDNN, "benchmark"),)
 
 
-def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | torch.device | None = None) -> PrecisionPolicy:
-    """Turn a precision spec into a policy.
-
-    Args:
-        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"fp16"``,
-            ``"auto"``, an alias (float32, bfloat16, float16, half, 32, 16, and
-            Lightning's ``"bf16-mixed"``/``"16-mixed"``/``"32-true"``), a torch
-            dtype, or a policy instance, which is returned unchanged.
-        device: the device that ``"auto"`` chooses for; the current CUDA device
-            or the CPU when ``None``.
-
-    Raises:
-        ValueError: ``spec`` names no known precision, or ``device`` no device.
-
-    Example:
-        >>> from precisionloop import get_policy
-        >>> get_policy("BFloat16").name
-        'bf16'
-    """
-    if device is not None:
-        _parse_device(device)  # a bad device is an error whatever the spec, not only for "auto"
-    if isinstance(spec, PrecisionPolicy):
-        return spec
-    key = _normalise(spec)
-    if key == "auto":
-        return _auto_policy(_as_device(device))
-    return PRECISIONS[key]()
-
-
-def _normalise(spec: object) -> str:
-    key: str | None = None
-    if isinstance(spec, torch.dtype):
-        key = _DTYPES.get(spec)
-    elif isinstance(spec, int) and not isinstance(spec, bool):
-        key = str(spec)
-    elif isinstance(spec, str):
-        key = spec.strip().lower()
-    key = _ALIASES.get(key, key)  # type: ignore[arg-type]
-    if key == "auto" or key in PRECISIONS:
-        return key  # type: ignore[return-value]
-    raise ValueError(
-        f"unknown precision {spec!r}; valid: {', '.join([*PRECISIONS, 'auto'])}, "
-        f"the aliases {', '.join(_ALIASES)}, a torch dtype among "
-        f"{', '.join(str(d) for d in _DTYPES)}, or a PrecisionPolicy instance"
-    )
-
-
-def _parse_device(device: str | torch.device) -> torch.device:
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
-
-
-def _as_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = _parse_device(device)
-    if device.type == "meta":
-        raise ValueError("device 'meta' holds no data, so nothing can train there; use 'cpu' or 'cuda'")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {str(device)!r} was requested but this machine has {torch.cuda.device_count()} "
-                             f"CUDA device(s): use 'cuda:0' to 'cuda:{torch.cuda.device_count() - 1}', or 'cpu'")
-    elif device.type != "cpu":
-        # Another backend (a custom policy's hardware) is usable if torch can put a tensor there; its own
-        # errors (ModuleNotFoundError, AssertionError, ...) say less than this.
-        try:
-            torch.empty(0, device=device)
-        except Exception as e:
-            usable = "'cpu' or 'cuda'" if torch.cuda.is_available() else "'cpu'"
-            raise ValueError(f"device {str(device)!r} is not usable with this torch build "
-                             f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]}); use {usable}") from None
-    return device
-
-
-def _cuda_bf16_native(device: torch.device) -> bool:
-    if torch.version.hip:
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-def _auto_policy(device: torch.device) -> PrecisionPolicy:
-    if device.type == "cuda":
-        label = f"{torch.cuda.get_device_name(device)} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
-        if _cuda_bf16_native(device):
-            policy: PrecisionPolicy = BF16Policy(note=f"auto: {label} has native bf16")
-        else:
-            policy = FP16Policy(note=f"auto: {label} has no native bf16, so fp16 with loss scaling")
-    elif device.type == "cpu" and _compat.cpu_bf16_native():
-        policy = BF16Policy(note="auto: this CPU runs bf16 natively")
-    else:
-        policy = FP32Policy(tf32=True, note=f"auto: no native reduced precision found for {device}")
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
-        log.info("precision='auto' chose %s: %s", policy.name, policy.note)
-    return policy
-
-
-def _check_device_support(policy: PrecisionPolicy, device: torch.device) -> None:
-    dtype = policy.compute_dtype
-    if dtype == torch.float32:
-        return
-    if not torch.amp.is_autocast_available(device.type):
-        raise ValueError(f"precision {policy.name!r} needs autocast, which torch does not offer on {device}; use precision='fp32'")
-    if device.type == "cuda" and dtype == torch.bfloat16 and not _cuda_bf16_native(device):
-        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        raise ValueError(
-            f"precision {policy.name!r} needs native bf16, but {torch.cuda.get_device_name(device)} on {device} "
-            f"has compute capability {cc} (bf16 needs 8.0 or higher); use precision='fp16', which adds loss scaling"
-        )
-    if device.type == "cpu" and dtype == torch.float16:
-        warnings.warn(
-            "fp16 autocast on the CPU is supported but very slow (tens of times slower than fp32); "
-            "consider precision='bf16' on the CPU",
-            UserWarning,
-            stacklevel=4,  # the caller of Trainer(...)
-        )
-
-
-# Backend flags. torch >= 2.9 has per-backend `fp32_precision` settings, and mixing them
-# with the legacy `allow_tf32` switches raises, so use whichever API this torch provides.
-_NEW_TF32_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")
-
-
-def _tf32_flags(tf32: bool) -> tuple:
+def _tf32_values(tf32: bool) -> tuple:
+    """The TF32 switches' values, in ``_FLAGS``'s order."""
     if _NEW_TF32_API:
-        precision = "tf32" if tf32 else "ieee"
-        return (precision, precision, precision)
+        return ("tf32" if tf32 else "ieee",) * 3
     return (tf32, tf32)
 
 
-_FLAGS = _compat.backend_flag_accessors()  # (getter, setter) per TF32 switch, then cudnn.benchmark's
-_GETTERS = tuple(get for get, _ in _FLAGS)
-_SETTERS = tuple(set_flag for _, set_flag in _FLAGS)
-
-
-def _read_flags() -> tuple[tuple, bool]:
-    """The TF32 switches (``_tf32_flags``'s form) and ``cudnn.benchmark``, as set now."""
-    *tf32, benchmark = [get() for get in _GETTERS]
-    return tuple(tf32), benchmark
-
-
-def _write_flags(tf32: tuple, benchmark: bool) -> None:
-    """Set the TF32 switches (``_tf32_flags``'s form) and ``cudnn.benchmark``."""
-    _set_differing((*tf32, benchmark), (None,) * len(_SETTERS))
-
-
-def _set_differing(wanted: tuple, now: tuple) -> None:
-    """Write each flag whose wanted value differs from ``now``'s (both flat, in ``_FLAGS``'s order)."""
-    for set_flag, value, was in zip(_SETTERS, wanted, now):
-        if value != was:
-            set_flag(value)
-
-
-class _BackendFlags:
-    """The context manager of ``PrecisionPolicy.backend_flags``.
-
-    A class, not a generator: Trainer.step enters one every step. One object may be entered
-    again after it exits, but not while it is open (its exit would restore the wrong flags).
-    It writes only the flags that differ (a read or write costs ~1 us of host time on some hosts,
-    and a standalone step sets and restores them), and on exit restores those that differ from
-    what is set then: the block may have changed some too.
-    """
-
-    __slots__ = ("_wanted", "_saved", "_open")
-
-    def __init__(self, wanted: tuple[tuple, bool]):
-        self._wanted = (*wanted[0], wanted[1])  # flat, as the getters return them
-        self._saved: tuple | None = None
-        self._open = False
-
-    def __enter__(self) -> None:
-        if self._open:
-            raise RuntimeError("this backend_flags() context is already open; call policy.backend_flags() again "
-                               "for a nested one")
-        saved = tuple([get() for get in _GETTERS])
-        if saved != self._wanted:  # else already set (inside fit, or for the same policy): nothing to write or restore
-            try:
-                _set_differing(self._wanted, saved)
-            except BaseException:
-                with contextlib.suppress(Exception):  # a write refused midway (frozen cuDNN flags, say): undo the rest
-                    _set_differing(saved, tuple([get() for get in _GETTERS]))
-                raise
-            self._saved = saved
-        self._open = True
-
-    def __exit__(self, *exc) -> None:
-        self._open = False
-        if self._saved is not None:
-            saved, self._saved = self._saved, None
-            _set_differing(saved, tuple([get() for get in _GETTERS]))
+@contextlib.contextmanager
+def _flags_set(wanted: tuple) -> Iterator[None]:
+    """Each of ``_FLAGS`` set to its wanted value for the block; every one that differs then is restored after."""
+    saved = tuple(getattr(owner, name) for owner, name in _FLAGS)
+    try:
+        for (owner, name), value, was in zip(_FLAGS, wanted, saved):
+            if value != was:
+                setattr(owner, name, value)
+        yield
+    finally:  # also after a write refused midway (frozen cuDNN flags, say): nothing set stays set
+        for (owner, name), was in zip(_FLAGS, saved):
+            if getattr(owner, name) != was:
+                setattr(owner, name, was)

@@ -19,8 +19,13 @@ import torch
 from torch import nn
 
 from . import checkpoint, fp32_modules, fp8, fp8_tuning, measure
-from .engine import StepEngine, compile_mode, prepare_model, to_device
-from .policy import FP8Policy, PrecisionPolicy, _as_device, get_policy
+from .batches import to_device
+from .devices import resolve_device
+from .engine import StepEngine
+from .fp8 import FP8Policy
+from .policy import PrecisionPolicy
+from .precisions import get_policy
+from .prepare import compile_mode, prepare_model
 
 __all__ = ["autotune", "Candidate", "AutotuneResult", "CandidateResult", "default_candidates"]
 
@@ -132,7 +137,7 @@ def default_candidates(model: nn.Module, device: str | torch.device | None = Non
     compiled fp8 candidate is added; :func:`autotune` makes it concrete: FP8Policy's default layers,
     every layer fp8 can take, and the layers it measures to gain.
     """
-    device = _as_device(device)
+    device = resolve_device(device)
     precisions = tunable_precisions(device)
     layouts: list[bool | None] = [True, False] if any(isinstance(m, nn.Conv2d) for m in model.modules()) else [None]
     compiles: list[bool | str] = [False, True] if compile else [False]
@@ -232,7 +237,7 @@ def autotune(
         >>> result.best.precision in {"fp32", "bf16"}
         True
     """
-    device = _as_device(device)
+    device = resolve_device(device)
     _check_autotune_arguments(model, optimizer_factory, sample_batch, steps, warmup, rounds, tolerance)
     candidates = list(candidates) if candidates is not None else default_candidates(model, device)
     if not candidates:
@@ -371,13 +376,13 @@ class _Trial:
         model = copy.deepcopy(self.model).to(self.device)
         optimizer = self.optimizer_factory(model.parameters())
         model, input_format = prepare_model(model, policy, mode, None, self.device, optimizer)
-        engine = StepEngine(model, optimizer, self.device, loss_of=self.loss_for(model), scheduler=None,
+        engine = StepEngine(model, optimizer, self.device, compute_loss=self.loss_for(model), scheduler=None,
                             grad_accum_steps=1, max_grad_norm=None, max_consecutive_skips=2**62, distributed=None)
         engine.configure(model, policy, policy.make_guard(self.device.type), mode)
         batch, results = to_device(self.batch, self.device, input_format), []
 
         def teardown() -> None:
-            engine.settle()
+            engine.sync()
             self.skipped = max(self.skipped, engine.stats.skipped)
             if self.losses is None:
                 self.losses = [r.loss for r in results]

@@ -62,3 +62,49 @@ def steps_without_host_sync(trainer, batches) -> list:
         return [trainer.step(b) for b in batches]
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def read_flags():
+    """The backend flags the policies set, as (the TF32 switches, cudnn.benchmark), read through torch's public API."""
+    from precisionloop import policy
+
+    *tf32, benchmark = [getattr(owner, name) for owner, name in policy._FLAGS]
+    return tuple(tf32), benchmark
+
+
+def write_flags(tf32, benchmark):
+    from precisionloop import policy
+
+    for (owner, name), value in zip(policy._FLAGS, (*tf32, benchmark)):
+        setattr(owner, name, value)
+
+
+def tf32_flags(tf32: bool):
+    """The TF32 switches' values for tf32 on or off, as ``read_flags`` returns them."""
+    from precisionloop import policy
+
+    return policy._tf32_values(tf32)
+
+
+class _RecordingOwner:
+    """Stands in for a torch.backends object and records each write to it."""
+
+    def __init__(self, owner, index, writes):
+        self.__dict__.update(_owner=owner, _index=index, _writes=writes)
+
+    def __getattr__(self, name):
+        return getattr(self._owner, name)
+
+    def __setattr__(self, name, value):
+        self._writes.append((self._index, value))
+        setattr(self._owner, name, value)
+
+
+def count_flag_writes(monkeypatch):
+    """The list every backend-flag write of the policies is appended to, as (flag index, value)."""
+    from precisionloop import policy
+
+    writes = []
+    monkeypatch.setattr(policy, "_FLAGS", tuple((_RecordingOwner(owner, i, writes), name)
+                                                for i, (owner, name) in enumerate(policy._FLAGS)))
+    return writes

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import precisionloop.policy as policy_module
+from precisionloop import devices
 from precisionloop import Trainer, get_policy
 
 X, Y = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0])
@@ -34,7 +34,6 @@ def _weights(t: Trainer) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(autotune="no"), "autotune must be True or False"),
     (dict(fuse_optimizer="no"), "fuse_optimizer must be True or False"),
-    (dict(graph_optimizer_step="yes"), "graph_optimizer_step must be True or False"),
     (dict(fuse_optimizer=2), "fuse_optimizer must be True or False"),
     (dict(loss_fn="mse"), "loss_fn must be a callable"),
 ])
@@ -66,7 +65,7 @@ def test_a_cuda_index_past_the_devices_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="'cuda:7' was requested but this machine has 1 CUDA device"):
-        policy_module._as_device("cuda:7")
+        devices.resolve_device("cuda:7")
 
 
 def test_get_policy_refuses_a_bad_device_whatever_the_spec():
@@ -268,12 +267,19 @@ def test_save_replaces_a_symlink_as_before_without_checking_its_target(tmp_path,
     assert not link.is_symlink() and link.is_file()
 
 
+def test_a_removed_option_names_what_to_use_instead():
+    with pytest.raises(ValueError, match=r"graph_optimizer_step.*removed.*compile=True"):
+        _trainer(graph_optimizer_step=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
+        _trainer(no_such_option=1)
+
+
 def test_max_grad_norm_takes_any_real_number_and_names_the_rule():
     import numpy as np
 
     t = _trainer(max_grad_norm=np.float32(0.5))
     assert t.step((X, Y)).grad_norm > 0
-    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0, or None; got -1"):
+    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0, or None, got -1"):
         _trainer(max_grad_norm=-1)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from conftest import batches, fp32_only_loss, tiny_mlp
+from conftest import batches, fp32_only_loss, tiny_mlp, count_flag_writes, read_flags, tf32_flags, write_flags
 
 from precisionloop import FP16Policy, Trainer
 from precisionloop import policy as policy_mod
@@ -328,33 +328,23 @@ def test_max_steps_on_the_last_batch_completes_the_epoch():
 @pytest.fixture
 def callers_flags():
     """The caller's flags, unlike every policy's (TF32 and cuDNN benchmark go together), put back afterwards."""
-    before = policy_mod._read_flags()
-    outside = (policy_mod._tf32_flags(True), False)
-    policy_mod._write_flags(*outside)
+    before = read_flags()
+    outside = (tf32_flags(True), False)
+    write_flags(*outside)
     yield outside
-    policy_mod._write_flags(*before)
-
-
-def _counting_writes(monkeypatch):
-    """Every flag written, through the setters every write path of policy.py goes through."""
-    writes = []
-    monkeypatch.setattr(policy_mod, "_SETTERS", tuple(
-        lambda value, i=i, set_flag=set_flag: (writes.append((i, value)), set_flag(value))[1]
-        for i, set_flag in enumerate(policy_mod._SETTERS)))
-    return writes
+    write_flags(*before)
 
 
 @pytest.mark.parametrize("autotune", [False, True])
 def test_fit_sets_the_backend_flags_once_an_epoch_not_every_step(monkeypatch, callers_flags, autotune):
-    # Writing and restoring them around every step cost 10-20 us of host time a step; the steps now leave them be.
     counts, seen = {}, []
 
     class Seen:
         def on_step_end(self, trainer, result):
-            seen.append((policy_mod._read_flags(), trainer.policy.tf32))
+            seen.append((read_flags(), trainer.policy.tf32))
 
     for n in (3, 9):
-        writes = _counting_writes(monkeypatch)
+        writes = count_flag_writes(monkeypatch)
         model = dropout_mlp()
         # With autotune, a loss that refuses non-fp32 outputs fixes the choice (fp32 without TF32, not the
         # bf16 it starts from): on the CPU the candidates can time alike, and each run must swap policies.
@@ -362,11 +352,11 @@ def test_fit_sets_the_backend_flags_once_an_epoch_not_every_step(monkeypatch, ca
                           device="cpu", autotune=autotune, loss_fn=fp32_only_loss if autotune else None)
         trainer.fit(DataLoader(dataset(4 * n), batch_size=4), epochs=1, progress=False, callbacks=[Seen()])
         counts[n] = len(writes)
-        assert policy_mod._read_flags() == callers_flags  # the caller's flags are back
+        assert read_flags() == callers_flags  # the caller's flags are back
     assert 0 < counts[3] == counts[9], counts  # the writes do not grow with the steps
     assert not autotune or seen[-1][1] is False  # the chosen policy, which differs from the first one
     # Callbacks run under the flags of the policy that trains, the one autotune chose included.
-    assert all(flags == (policy_mod._tf32_flags(tf32), tf32) for flags, tf32 in seen)
+    assert all(flags == (tf32_flags(tf32), tf32) for flags, tf32 in seen)
 
 
 def test_fit_restores_the_callers_flags_when_a_step_fails(callers_flags):
@@ -382,36 +372,7 @@ def test_fit_restores_the_callers_flags_when_a_step_fails(callers_flags):
     trainer.loss_fn = failing
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False)
-    assert policy_mod._read_flags() == callers_flags and trainer.global_step == 2
-
-
-def test_a_policy_that_returns_one_reusable_flags_object_fits_and_restores(callers_flags):
-    # The object may be entered again after it exits, so a policy may cache it; fit holds it for the
-    # epoch and the steps must not enter it a second time (that raised "already open").
-    from precisionloop import BF16Policy
-
-    class CachedFlags(BF16Policy):
-        def backend_flags(self):
-            cached = self.__dict__.get("_cached")
-            if cached is None:
-                cached = super().backend_flags()
-                object.__setattr__(self, "_cached", cached)
-            return cached
-
-    model = dropout_mlp()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), CachedFlags(), device="cpu")
-    evaluated = []
-
-    class Evaluates:
-        def on_step_end(self, trainer, result):
-            evaluated.append(trainer.evaluate(list(DataLoader(dataset(8), batch_size=4))))
-
-    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False, callbacks=[Evaluates()],
-                val_loader=DataLoader(dataset(8), batch_size=4))
-    assert trainer.global_step == 10 and len(evaluated) == 10
-    assert policy_mod._read_flags() == callers_flags
-    trainer.step(next(iter(DataLoader(dataset(), batch_size=4))))  # and outside fit, as before
-    assert policy_mod._read_flags() == callers_flags
+    assert read_flags() == callers_flags and trainer.global_step == 2
 
 
 def test_a_generator_loader_stopped_by_max_steps_leaves_the_callers_flags(callers_flags):
@@ -427,13 +388,20 @@ def test_a_generator_loader_stopped_by_max_steps_leaves_the_callers_flags(caller
 
     trainer = make_trainer("bf16")
     trainer.fit(Loader(), epochs=1, max_steps=3, progress=False)
-    assert trainer.global_step == 3 and policy_mod._read_flags() == callers_flags
+    assert trainer.global_step == 3 and read_flags() == callers_flags
 
 
-def test_a_skip_limit_reached_before_fit_raises_before_the_loader_is_opened():
+def test_a_skip_limit_reached_before_fit_raises_before_the_loader_is_opened(monkeypatch):
+    from precisionloop import engine
+
+    class InFlight(engine._HostCopy):  # as on CUDA: the last skip is not booked when fit begins
+        def __init__(self, row):
+            super().__init__(row)
+            self.event = type("Event", (), {"synchronize": lambda self: None})()
+
+    monkeypatch.setattr(engine, "_HostCopy", InFlight)
     model = tiny_mlp()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", max_consecutive_skips=3)
-    trainer.engine.verdicts_per_copy = 4  # as on CUDA: the three skips are not booked when fit begins
     model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
     for b in batches(3):
         assert trainer.step(b).skipped

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from conftest import batches, steps_without_host_sync, tiny_cnn, tiny_mlp
+from conftest import batches, steps_without_host_sync, tiny_cnn, tiny_mlp, read_flags, tf32_flags, write_flags
 from torch import nn
 
 from precisionloop import BF16Policy, FP16Policy, Trainer, get_policy
@@ -22,7 +22,7 @@ class CudaProbe(nn.Module):
     def forward(self, x):
         out = self.net[0](x)
         self.seen.append(dict(dtype=out.dtype, input_channels_last=x.is_contiguous(memory_format=torch.channels_last)
-                              and not x.is_contiguous(), tf32=policy_mod._read_flags()[0], benchmark=torch.backends.cudnn.benchmark))
+                              and not x.is_contiguous(), tf32=read_flags()[0], benchmark=torch.backends.cudnn.benchmark))
         return self.net[1:](out)
 
 
@@ -30,13 +30,13 @@ class CudaProbe(nn.Module):
 def test_cuda_autocast_flags_and_channels_last(precision, dtype):
     model = CudaProbe()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cuda")
-    before = policy_mod._read_flags()
+    before = read_flags()
     x = torch.randn(4, 3, 16, 16)
     assert trainer.step((x, torch.tensor([0, 1, 2, 3]))).stepped
     seen = model.seen[-1]
     assert seen["dtype"] == dtype and seen["input_channels_last"]
-    assert seen["tf32"] == policy_mod._tf32_flags(True) and seen["benchmark"] is True
-    assert policy_mod._read_flags() == before
+    assert seen["tf32"] == tf32_flags(True) and seen["benchmark"] is True
+    assert read_flags() == before
     assert model.net[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert all(p.dtype == torch.float32 and p.is_cuda for p in model.parameters())
 
@@ -138,12 +138,10 @@ def _fused_trainer_with_nans(scheduled: bool = False):
     return model, armed, Trainer(model, optimizer, "bf16", device="cuda", scheduler=scheduler)
 
 
-def _verdict_run(scheduled: bool, n: int = 40, per_copy: int | None = None):
+def _verdict_run(scheduled: bool, n: int = 40):
     """n fused bf16 steps on CUDA with NaN gradients at steps 5, 17 and 18 (1-based); the stats booked after each."""
     _, armed, trainer = _fused_trainer_with_nans(scheduled)
     optimizer = trainer.optimizer
-    if per_copy is not None:
-        trainer.engine.verdicts_per_copy = per_copy
     data = [(x.cuda(), y.cuda()) for x, y in batches(n, seed=3)]
     results, booked, lrs = [trainer.step(data[0])], [], []
     torch.cuda.synchronize()
@@ -159,17 +157,11 @@ def _verdict_run(scheduled: bool, n: int = 40, per_copy: int | None = None):
     return trainer, results, booked, lrs
 
 
-def test_cuda_verdicts_reach_the_host_in_blocks_and_each_result_keeps_its_own():
-    from precisionloop.engine import VERDICTS_PER_COPY as k
-
+def test_cuda_each_verdict_is_booked_at_the_next_step_without_a_sync_and_each_result_keeps_its_own():
     trainer, results, booked, _ = _verdict_run(scheduled=False)
-    # A block of k steps is copied when full and booked at the next step: no copy, no event, no wait between.
-    assert booked == [k * ((i - 1) // k) for i in range(2, 41)]
+    assert booked == list(range(1, 40))  # each step booked by the next, with no host sync in between
     assert [r.skipped for r in results] == [i in (5, 17, 18) for i in range(1, 41)]  # read after all 40 steps
     losses = [r.loss for r in results]
-    _, each, each_booked, _ = _verdict_run(scheduled=False, per_copy=1)
-    assert each_booked == list(range(1, 40))  # a block of one: each step booked by the next
-    assert losses == [r.loss for r in each]  # every row read late is its own step's, none overwritten
     stats = trainer.stats
     assert (stats.steps, stats.skipped, trainer.engine.last_loss) == (40, 3, losses[-1])
 
@@ -212,7 +204,7 @@ def test_cuda_steps_on_side_streams_book_the_same_verdicts_as_on_one_stream():
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                     reason="needs two CUDA GPUs; run on the two-GPU machine")
-def test_a_trainer_on_the_second_gpu_waits_for_its_blocks_copy_on_that_gpus_stream(monkeypatch):
+def test_a_trainer_on_the_second_gpu_waits_for_its_verdicts_copy_on_that_gpus_stream(monkeypatch):
     # The copy runs on the rows' device's stream; an event recorded on the current device's (cuda:0) would not
     # wait for it, and the rows could be read before they land.
     recorded, record = [], torch.cuda.Event.record
@@ -224,7 +216,6 @@ def test_a_trainer_on_the_second_gpu_waits_for_its_blocks_copy_on_that_gpus_stre
     monkeypatch.setattr(torch.cuda.Event, "record", record_where)
     model = tiny_mlp()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True), "bf16", device="cuda:1")
-    trainer.engine.verdicts_per_copy = 4
     assert torch.cuda.current_device() == 0
     for batch in batches(10):
         trainer.step(batch)

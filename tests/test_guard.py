@@ -78,39 +78,3 @@ def test_fsdp_refuses_fused_optimizers_without_dtensor_kernels():
 def _verdict(guard, grads, bad):
     grads[0].fill_(float("inf") if bad else 1.0)
     return guard.unscale_(None, grads)
-
-
-def test_each_verdict_is_a_fresh_zero_that_later_steps_leave_alone(monkeypatch):
-    # The flags come from zero-filled slabs (no fill kernel a step); none may be handed out twice,
-    # across a refill too, or a returned verdict would change under the caller.
-    guard = FiniteGuard()
-    monkeypatch.setattr(guard, "_SLAB", 3)
-    grads = [torch.ones(4), torch.ones(2, 2)]
-    pattern = [True, False, False, True, False, True, False, False]
-    verdicts = [_verdict(guard, grads, bad) for bad in pattern]
-    assert [bool(v) for v in verdicts] == pattern
-    assert all(v.dtype == torch.float32 and v.dim() == 0 for v in verdicts)
-    assert len({(v.untyped_storage().data_ptr(), v.storage_offset()) for v in verdicts}) == len(verdicts)
-
-
-def test_the_one_kernel_path_dispatches_no_fill(monkeypatch):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    guard = FiniteGuard()
-    grads = [torch.ones(4), torch.ones(2, 2)]
-    _verdict(guard, grads, False)  # the first step groups the gradients and allocates the first slab
-    ops = Ops()
-    with ops:
-        for _ in range(5):
-            guard.unscale_(None, grads)
-    assert ops.seen.count("_amp_foreach_non_finite_check_and_unscale_") == 5
-    assert not {"zeros", "zero_", "fill_", "full", "new_zeros"} & set(ops.seen), ops.seen

@@ -4,13 +4,14 @@ import logging
 
 import pytest
 import torch
-from conftest import batches, tiny_cnn, tiny_mlp
+from conftest import batches, tiny_cnn, tiny_mlp, count_flag_writes, read_flags, tf32_flags, write_flags
 from torch import nn
 
 import precisionloop
 from precisionloop import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, get_policy
 from precisionloop import _compat
 from precisionloop import policy as policy_mod
+from precisionloop import devices, precisions
 
 
 @pytest.mark.parametrize(
@@ -98,7 +99,7 @@ def test_auto_on_cuda_follows_native_bf16(monkeypatch, capability, name):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
     monkeypatch.setattr(torch.version, "hip", None)
-    policy = policy_mod._auto_policy(torch.device("cuda", 0))
+    policy = precisions._auto_policy(torch.device("cuda", 0))
     assert policy.name == name
     assert "Fake GPU" in policy.note
 
@@ -108,9 +109,9 @@ def test_bf16_on_old_cuda_gpu_suggests_fp16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     monkeypatch.setattr(torch.version, "hip", None)
     with pytest.raises(ValueError, match="fp16") as info:
-        policy_mod._check_device_support(BF16Policy(), torch.device("cuda", 0))
+        devices.check_device_support("bf16", torch.bfloat16, torch.device("cuda", 0))
     assert "7.0" in str(info.value) and "V100" in str(info.value)
-    policy_mod._check_device_support(FP16Policy(), torch.device("cuda", 0))  # fp16 is fine there
+    devices.check_device_support("fp16", torch.float16, torch.device("cuda", 0))  # fp16 is fine there
 
 
 def test_fp16_on_cpu_warns_at_construction():
@@ -120,17 +121,17 @@ def test_fp16_on_cpu_warns_at_construction():
 
 
 def _flags():
-    return policy_mod._read_flags()
+    return read_flags()
 
 
 @pytest.mark.parametrize("policy", [FP32Policy(), FP32Policy(tf32=True), BF16Policy(), FP16Policy(cudnn_benchmark=False)])
 def test_backend_flags_set_and_restored(policy):
-    outside = (policy_mod._tf32_flags(not policy.tf32), not policy.tf32)
-    policy_mod._write_flags(*outside)
+    outside = (tf32_flags(not policy.tf32), not policy.tf32)
+    write_flags(*outside)
     try:
         with policy.backend_flags():
             inside = _flags()
-        assert inside[0] == policy_mod._tf32_flags(policy.tf32)
+        assert inside[0] == tf32_flags(policy.tf32)
         expected_benchmark = policy.tf32 if policy.cudnn_benchmark is None else policy.cudnn_benchmark
         assert inside[1] is expected_benchmark
         assert _flags() == outside
@@ -138,7 +139,7 @@ def test_backend_flags_set_and_restored(policy):
             raise KeyError("boom")
         assert _flags() == outside
     finally:
-        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+        write_flags(tf32_flags(True), False)
 
 
 class Probe(nn.Module):
@@ -155,7 +156,7 @@ class Probe(nn.Module):
             autocast=torch.is_autocast_enabled("cpu"),
             out_dtype=out.dtype,
             benchmark=torch.backends.cudnn.benchmark,
-            tf32=policy_mod._read_flags()[0],
+            tf32=read_flags()[0],
         ))
         return out
 
@@ -170,7 +171,7 @@ def test_autocast_dtype_inside_forward_and_fp32_after(precision, dtype):
     seen = model.seen[-1]
     assert seen["out_dtype"] == dtype
     assert seen["autocast"] is (dtype != torch.float32)
-    assert seen["tf32"] == policy_mod._tf32_flags(trainer.policy.tf32)
+    assert seen["tf32"] == tf32_flags(trainer.policy.tf32)
     assert _flags() == before, "flags leaked out of the step"
     for p in model.parameters():
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
@@ -213,35 +214,32 @@ def test_public_api_is_explicit():
     assert issubclass(FP16Policy, PrecisionPolicy) and issubclass(BF16Policy, PrecisionPolicy)
 
 
-def test_backend_flags_undo_a_write_refused_midway_and_can_be_entered_again(monkeypatch):
+def test_backend_flags_undo_a_write_refused_midway(monkeypatch):
     policy = BF16Policy()
-    outside = (policy_mod._tf32_flags(False), False)
-    policy_mod._write_flags(*outside)
-    real_write, setters = policy_mod._write_flags, policy_mod._SETTERS
+    outside = (tf32_flags(False), False)
+    write_flags(*outside)
 
-    def refusing(value):  # cuDNN's benchmark refused, after the TF32 flags were written (as under disable_global_flags)
-        raise RuntimeError("not allowed to set torch.backends.cudnn flags")
+    class Refusing:  # cuDNN's benchmark refused, after the TF32 flags were written (as under disable_global_flags)
+        benchmark = False
+
+        def __setattr__(self, name, value):
+            raise RuntimeError("not allowed to set torch.backends.cudnn flags")
 
     try:
-        monkeypatch.setattr(policy_mod, "_SETTERS", (*setters[:-1], refusing))
+        monkeypatch.setattr(policy_mod, "_FLAGS", (*policy_mod._FLAGS[:-1], (Refusing(), "benchmark")))
         with pytest.raises(RuntimeError, match="not allowed"), policy.backend_flags():
             pass
-        assert _flags() == outside  # the TF32 half was undone
-        monkeypatch.setattr(policy_mod, "_SETTERS", setters)
-        flags = policy.backend_flags()
-        for _ in range(2):  # one object, entered twice in turn
-            with flags:
-                assert _flags() == (policy_mod._tf32_flags(True), True)
-            assert _flags() == outside
+        assert _flags()[0] == outside[0]  # the TF32 half was undone
     finally:
-        real_write(policy_mod._tf32_flags(True), False)
+        monkeypatch.undo()
+        write_flags(tf32_flags(True), False)
 
 
 def test_backend_flags_under_torchs_frozen_flags_raise_and_leave_every_flag_as_it_was():
     # torch refuses cudnn.benchmark writes after disable_global_flags(); the TF32 switch written before it is undone.
     policy = BF16Policy()
-    outside = (policy_mod._tf32_flags(False), False)
-    policy_mod._write_flags(*outside)
+    outside = (tf32_flags(False), False)
+    write_flags(*outside)
     torch.backends.disable_global_flags()
     try:
         with pytest.raises(RuntimeError, match="not allowed"), policy.backend_flags():
@@ -250,41 +248,34 @@ def test_backend_flags_under_torchs_frozen_flags_raise_and_leave_every_flag_as_i
     finally:
         # torch has no public undo; the flag lives in the globals of the function that reads it
         torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
-        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+        write_flags(tf32_flags(True), False)
     assert not torch.backends.flags_frozen()
 
 
 def test_backend_flags_write_only_what_differs_and_restore_what_the_block_changed(monkeypatch):
     policy = BF16Policy()  # TF32 and cudnn.benchmark on
-    written = []
-    flags = policy_mod._SETTERS
-    monkeypatch.setattr(policy_mod, "_SETTERS", tuple(
-        lambda value, i=i, set_flag=set_flag: (written.append(i), set_flag(value)) for i, set_flag in enumerate(flags)))
-    outside = (policy_mod._tf32_flags(True), False)  # only cudnn.benchmark differs from the policy's
-    policy_mod._write_flags(*outside)
+    outside = (tf32_flags(True), False)  # only cudnn.benchmark differs from the policy's
+    write_flags(*outside)
+    written = count_flag_writes(monkeypatch)
+    last = len(policy_mod._FLAGS) - 1
     try:
-        written.clear()
         with policy.backend_flags():
-            assert written == [len(flags) - 1] and _flags() == (policy_mod._tf32_flags(True), True)
-            torch.backends.cuda.matmul.allow_tf32 = False  # the block changes a flag the step did not write
+            assert [i for i, _ in written] == [last] and _flags() == (tf32_flags(True), True)
+            torch.backends.cudnn.benchmark = False
+            write_flags(tf32_flags(False), False)  # the block changes flags the context did not write
         assert _flags() == outside  # restored too
         written.clear()
         with policy.backend_flags():
             pass
-        assert written == [len(flags) - 1] * 2  # set and restored: one flag each way
+        assert [i for i, _ in written] == [last] * 2  # set and restored: one flag each way
     finally:
-        policy_mod._write_flags(policy_mod._tf32_flags(True), False)
+        monkeypatch.undo()
+        write_flags(tf32_flags(True), False)
 
 
-def test_backend_flags_and_the_compiled_backward_setting_refuse_to_be_entered_twice_while_open():
+def test_the_compiled_backward_setting_refuses_to_be_entered_twice_while_open():
     from precisionloop import _compat
 
-    flags = BF16Policy().backend_flags()
-    with flags:
-        with pytest.raises(RuntimeError, match="already open"):
-            flags.__enter__()
-    with flags:  # and again once closed
-        pass
     eager = _compat.compiled_backward_like_eager()
     with eager:
         with pytest.raises(RuntimeError, match="already entered"):

@@ -190,11 +190,10 @@ def test_collapse_warning_given_once():
     assert trainer.stats.min_scale == 0.25
 
 
-def test_collapse_warning_names_the_callers_line_when_stats_books_it():
-    _, poison, trainer = _blocked(FP16Policy(init_scale=1.0))  # rows booked four at a time, or by stats
+def test_collapse_warning_names_the_callers_line_when_stats_books_it(monkeypatch):
+    _, poison, trainer = _deferred(monkeypatch, FP16Policy(init_scale=1.0))  # booked at the next step, or by stats
     poison.armed = True
-    for b in batches(2):
-        trainer.step(b)  # scales 0.5 and 0.25: written, not yet booked
+    trainer.step(batches(1)[0])  # scale 0.5: not yet booked
     with pytest.warns(RuntimeWarning, match="collapsing") as record:
         trainer.stats
     assert record[0].filename == __file__
@@ -300,7 +299,7 @@ def test_custom_policy_subclass_is_honoured():
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
     assert trainer.policy is policy and model.prepared_by == "counting-fp16"
     results = [trainer.step(b) for b in batches(2)]
-    assert policy.calls == 1  # the torch.autocast it returned is kept (PrecisionPolicy.autocast says so)
+    assert policy.calls == 2  # asked for anew each step
     assert model.dtypes == [torch.bfloat16, torch.bfloat16]
     assert [r.scale for r in results] == [8.0, 16.0]
 
@@ -458,47 +457,21 @@ def test_a_failing_collective_on_the_one_kernel_path_is_raised_not_retried():
     assert len(calls) == 2
 
 
-def test_to_device_keeps_what_is_already_there_and_moves_the_rest(monkeypatch):
-    from precisionloop.engine import to_device
+def test_to_device_moves_nested_batches_and_lays_out_4d_float_tensors():
+    from precisionloop.batches import to_device
 
     cpu, cl = torch.device("cpu"), torch.channels_last
     x, y = torch.randn(2, 3, 4, 4).contiguous(memory_format=cl), torch.tensor([1, 0])
-    calls, real_to = [], torch.Tensor.to
-    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (calls.append(self.shape), real_to(self, *a, **k))[1])
     out = to_device({"x": x, "y": [y]}, cpu, cl)
-    assert out["x"] is x and out["y"][0] is y
-    assert calls == []  # already there and laid out: no .to and its argument parsing
-    both = torch.randn(2, 1, 4, 4)  # contiguous in both layouts: .to decides (the test below checks its strides)
-    pair = (both, y)
-    assert to_device(pair, cpu, cl)[1] is y and calls == [both.shape]
-    monkeypatch.undo()
-    assert to_device(pair := (x, y), cpu, cl) is pair  # nothing moved: the same tuple
+    assert out["x"] is x and out["y"][0] is y  # already there and laid out: .to returns them as they are
     z = torch.randn(2, 3, 4, 4)
-    moved = to_device(z, cpu, cl)
-    assert moved is not z and moved.is_contiguous(memory_format=cl) and torch.equal(moved, z)
+    moved = to_device((z, y), cpu, cl)
+    assert moved[0] is not z and moved[0].is_contiguous(memory_format=cl) and torch.equal(moved[0], z)
     assert to_device(torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.device("meta"), cl).device.type == "meta"
 
 
-def test_to_device_returns_what_to_returns_for_every_permuted_layout_of_small_shapes():
-    # Strides on dimensions of size 1 make layouts ambiguous; .to goes by the layout the strides suggest, and
-    # to_device's shortcut (no .to for a batch already in channels_last) must agree with it on each of these.
-    import itertools
-
-    from precisionloop.engine import to_device
-
-    cl, cpu, checked = torch.channels_last, torch.device("cpu"), 0
-    for shape in itertools.product(range(4), repeat=4):
-        for order in itertools.permutations(range(4)):
-            x = torch.empty([shape[d] for d in order]).permute([order.index(d) for d in range(4)])
-            moved, expected = to_device(x, cpu, cl), x.to(memory_format=cl)
-            assert (moved is x) == (expected is x) and moved.stride() == expected.stride(), (shape, order, x.stride())
-            checked += 1
-    odd = torch.randn(8).as_strided((1, 2, 1, 2), (4, 1, 1, 2))  # a review's case: contiguous in channels_last, but .to copies
-    assert to_device(odd, cpu, cl) is not odd and checked == 256 * 24
-
-
 def test_to_device_rebuilds_a_list_subclass_with_a_fields_attribute_as_a_list():
-    from precisionloop.engine import to_device
+    from precisionloop.batches import to_device
 
     class Fields(list):
         _fields = ("x",)
@@ -508,252 +481,136 @@ def test_to_device_rebuilds_a_list_subclass_with_a_fields_attribute_as_a_list():
     assert type(out) is Fields and out[0].is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("shape", [(4, 16, 1, 1), (2, 1, 5, 5), (2, 1, 5, 1)])
-def test_to_device_converts_layouts_whose_strides_fit_both(shape):
-    # For these shapes a contiguous tensor also passes is_contiguous(channels_last); .to still converts it
-    # (it goes by the layout the strides suggest), and so must to_device, or the model sees NCHW inputs.
-    from precisionloop.engine import to_device
+# The verdict's booking. On CUDA each optimizer step's verdict is copied to the host without blocking
+# and booked at the next optimizer step; on the CPU at once. ``_deferred`` makes the CPU book as CUDA does.
 
-    x = torch.randn(shape)
-    moved = to_device(x, torch.device("cpu"), torch.channels_last)
-    expected = x.to(memory_format=torch.channels_last)
-    assert moved.stride() == expected.stride() and (moved is x) == (expected is x)
-
-
-# Verdicts in blocks: with no scheduler, CUDA copies VERDICTS_PER_COPY steps' verdicts to the host at once.
-# The CPU books each step at once; these tests set a block size on the CPU to run the same bookkeeping.
-
-def _blocked(precision="bf16", per_copy=4, **kw):
-    """A tiny trainer on the CPU booking its verdicts in blocks of ``per_copy``: (model, poison, trainer)."""
-    model = tiny_mlp()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", **kw)
-    trainer.engine.verdicts_per_copy = per_copy
-    return model, Poison(model[0].weight), trainer
-
-
-class _Eight:
-    """An integer type that is not int (as numpy's are): it has __index__."""
-
-    def __index__(self):
-        return 8
-
-
-@pytest.mark.parametrize("bad", [0, -1, 2.0, True, None, "4"])
-def test_a_bad_verdicts_per_copy_is_refused_and_the_old_one_kept(bad):
-    _, _, trainer = _blocked()
-    with pytest.raises(ValueError, match=f"verdicts_per_copy must be an int of at least 1; got {bad!r}"):
-        trainer.engine.verdicts_per_copy = bad
-    assert trainer.engine.verdicts_per_copy == 4
-    trainer.step(batches(1)[0])  # still trains
-    trainer.engine.verdicts_per_copy = _Eight()
-    assert trainer.engine.verdicts_per_copy == 8 and type(trainer.engine.verdicts_per_copy) is int
-
-
-def test_an_interrupt_while_a_full_block_is_sent_loses_no_step_and_later_steps_train(monkeypatch):
-    from precisionloop.engine import _VerdictBlocks
-
-    send, interrupts = _VerdictBlocks._send, [1, 2]
-
-    def send_interrupted(self, rows):
-        if interrupts:
-            interrupts.pop()
-            raise KeyboardInterrupt  # a Ctrl-C (or a failed pinned allocation) as the block is sent
-        send(self, rows)
-
-    monkeypatch.setattr(_VerdictBlocks, "_send", send_interrupted)
-    (ref_model, _, ref), (model, _, blocked) = _trainers_one_blocked("bf16")
-    data = batches(9)
-    for b in data[:3]:
-        blocked.step(b)
-    with pytest.raises(KeyboardInterrupt):
-        blocked.step(data[3])  # its optimizer step was taken; the block of 4 it filled was not sent
-    weights = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(KeyboardInterrupt):
-        blocked.step(data[4])  # interrupted again, sending that block at its optimizer step's start: nothing changed
-    assert blocked.global_step == 4 and all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
-    for b in data[4:]:
-        blocked.step(b)  # before the fix: IndexError at every later step, after the weights had changed
-    for b in data:
-        ref.step(b)
-    assert blocked.global_step == blocked.stats.steps == ref.stats.steps == 9
-    for p, q in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
-
-
-def _trainers_one_blocked(precision, **kw):
-    """Two identical trainers: one books each step, the other in blocks of 4."""
-    return [_blocked(precision, per_copy, **kw) for per_copy in (1, 4)]
-
-
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_verdicts_in_blocks_book_every_step_once_and_results_keep_their_rows(precision):
-    (ref_model, ref_poison, ref), (model, poison, blocked) = _trainers_one_blocked(precision)
-    kept = []
-    for i, b in enumerate(batches(10)):
-        ref_poison.armed = poison.armed = i in (2, 5, 6)
-        kept.append((ref.step(b), blocked.step(b)))
-    assert blocked.engine.stats.steps == 8  # two full blocks booked, the last two steps still on their way
-    assert ref.engine.stats.steps == 10
-    assert blocked.stats == ref.stats and blocked.engine.last_loss == ref.engine.last_loss
-    assert blocked.engine.consecutive_skips == ref.engine.consecutive_skips == 0
-    # Read after every later step: each result still reads its own row, never a later step's.
-    assert [(r.loss, r.skipped, r.scale) for r, _ in kept] == [(r.loss, r.skipped, r.scale) for _, r in kept]
-    assert [r.skipped for r, _ in kept] == [i in (2, 5, 6) for i in range(10)]
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
-
-
-def test_the_skip_limit_in_blocks_raises_once_the_block_is_read_with_every_step_counted():
-    _, (_, poison, trainer) = _trainers_one_blocked("bf16", max_consecutive_skips=3)
-    poison.armed = True
-    data = batches(5)
-    for b in data[:3]:
-        assert trainer.step(b).skipped  # the block of 4 is not full: nothing is booked yet
-    with pytest.raises(RuntimeError, match="3 optimizer steps in a row") as info:
-        trainer.step(data[3])
-    assert "optimizer step 3" in str(info.value)  # where the limit was reached, not where it was read
-    assert trainer.engine.stats.steps == trainer.global_step == 4 and trainer.engine.stats.skipped == 4
-    poison.armed = False
-    assert trainer.step(data[4]).stepped and trainer.stats.steps == 5  # training can go on after the error
-
-
-def test_a_scheduler_books_each_step_before_the_next_even_with_blocks():
-    model = tiny_mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    trainer = Trainer(model, optimizer, "bf16", device="cpu", scheduler=scheduler)
-    trainer.engine.verdicts_per_copy = 4
-    poison = Poison(model[0].weight)
-    lrs, stepped = [], 0
-    for i, b in enumerate(batches(6)):
-        poison.armed = i in (1, 2)
-        stepped += trainer.step(b).stepped
-        lrs.append(optimizer.param_groups[0]["lr"])
-    assert lrs == [0.1 * 0.5**n for n in (1, 1, 1, 2, 3, 4)] and stepped == 4
-
-
-def test_a_loss_that_turns_float64_mid_block_keeps_both_blocks_whole():
-    wide = {"on": False}
-    runs = []
-    for per_copy in (1, 4):
-        torch.manual_seed(0)
-        model = nn.Linear(6, 3)
-        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu",
-                          loss_fn=lambda out, y: nn.functional.cross_entropy(out.double() if wide["on"] else out, y))
-        trainer.engine.verdicts_per_copy = per_copy
-        x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
-        results, booked = [], []
-        for i in range(7):
-            wide["on"] = i >= 2  # two steps in an fp32 block, then float64 ones
-            results.append(trainer.step((x, y)))
-            booked.append(trainer.engine.stats.steps)
-        runs.append((trainer, [r.loss for r in results], booked))
-    (ref, ref_losses, ref_booked), (blocked, losses, booked) = runs
-    assert ref_booked == [1, 2, 3, 4, 5, 6, 7]
-    # The fp32 block's two rows are read when it ends (step 3) and booked at the next step; the float64 block at 6.
-    assert booked == [0, 0, 0, 2, 2, 6, 6]
-    assert losses == ref_losses and blocked.stats == ref.stats and blocked.engine.last_loss == ref.engine.last_loss
-    assert len(set(losses)) == 7  # the losses differ from step to step, so a row read twice would show
-
-
-def test_a_flush_under_inference_mode_leaves_later_steps_a_block_they_can_write():
-    _, _, trainer = _blocked(grad_accum_steps=2)
-    data = batches(7)
-    trainer.step(data[0])
-    with torch.inference_mode():
-        assert trainer.flush().stepped  # the first row of a new block
-    assert [trainer.step(b).due for b in data[1:]] == [False, True] * 3
-    assert trainer.global_step == 4 and trainer.stats.steps == 4
-    # The guard's zero slab was made in that flush too: an op that adds into its element (the verdicts of
-    # gradients on two devices, an all-reduce) would fail on an inference tensor.
-    assert not trainer.engine.guard._zero_on(trainer.device).is_inference()
-
-
-def test_an_error_while_booking_a_block_leaves_its_other_rows_and_the_skip_limit_to_come():
-    model = tiny_mlp()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(init_scale=4.0), device="cpu",
-                      max_consecutive_skips=4)
-    trainer.engine.verdicts_per_copy = 4
-    Poison(model[0].weight).armed = True
-    batch = batches(1)[0]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # the collapse warning, at the block's third row, raises
-        for _ in range(3):
-            trainer.step(batch)
-        with pytest.raises(RuntimeWarning, match="collapsing"):
-            trainer.step(batch)
-    with pytest.raises(RuntimeError, match="4 optimizer steps in a row"):
-        _ = trainer.stats  # the fourth row is booked, then the skip limit it reached is raised
-    assert trainer.engine.stats.steps == trainer.global_step == 4 and trainer.engine.stats.min_scale == 0.25
-
-
-class _SlowEvent:
-    """Stands in for a CUDA event: its wait can be interrupted, as a Ctrl-C interrupts ``Event.synchronize``."""
+class _InFlight:
+    """An event whose copy is still on its way; ``interrupt`` makes the next wait raise KeyboardInterrupt."""
 
     interrupt = False
 
     def synchronize(self):
-        if _SlowEvent.interrupt:
-            _SlowEvent.interrupt = False
+        if _InFlight.interrupt:
+            _InFlight.interrupt = False
             raise KeyboardInterrupt
 
 
-def test_an_interrupt_while_waiting_for_a_blocks_copy_loses_no_step(monkeypatch):
-    from precisionloop.engine import _VerdictBlocks
+def _deferred(monkeypatch, precision="bf16", **kw):
+    """A tiny trainer on the CPU whose verdicts are booked one optimizer step late, as on CUDA: (model, poison, trainer)."""
+    from precisionloop import engine
 
-    send = _VerdictBlocks._send
+    class InFlight(engine._HostCopy):
+        def __init__(self, row):
+            super().__init__(row)
+            self.values, self.event = row.clone(), _InFlight()
 
-    def send_in_flight(self, rows):  # as on CUDA: the copy is on its way, booked at the next step
-        send(self, rows)
-        self._pending = (self._pending[0].clone(), _SlowEvent())
+    monkeypatch.setattr(engine, "_HostCopy", InFlight)
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", **kw)
+    return model, Poison(model[0].weight), trainer
 
-    monkeypatch.setattr(_VerdictBlocks, "_send", send_in_flight)
-    _, _, trainer = _blocked()
-    data = batches(6)
-    for b in data[:4]:
-        trainer.step(b)
-    assert trainer.engine.stats.steps == 0  # the block of 4 is on its way
-    _SlowEvent.interrupt = True
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_deferred_verdict_is_booked_at_the_next_optimizer_step_and_results_keep_their_own(monkeypatch, precision):
+    ref_model = tiny_mlp()
+    ref = Trainer(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), precision, device="cpu")
+    ref_poison = Poison(ref_model[0].weight)
+    model, poison, trainer = _deferred(monkeypatch, precision)
+    kept = []
+    for i, b in enumerate(batches(6)):
+        ref_poison.armed = poison.armed = i in (2, 4)
+        kept.append((ref.step(b), trainer.step(b)))
+        assert trainer.engine.stats.steps == i  # the step before is booked, this one is on its way
+    assert trainer.stats == ref.stats and trainer.engine.last_loss == ref.engine.last_loss
+    assert [(r.loss, r.skipped, r.scale) for r, _ in kept] == [(r.loss, r.skipped, r.scale) for _, r in kept]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+def test_a_deferred_skip_limit_raises_one_step_late_with_every_step_counted(monkeypatch):
+    _, poison, trainer = _deferred(monkeypatch, max_consecutive_skips=3)
+    poison.armed = True
+    data = batches(5)
+    for b in data[:3]:
+        assert trainer.step(b).skipped
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row") as info:
+        trainer.step(data[3])  # books the third skip before this step's update: its window is dropped
+    assert "optimizer step 3" in str(info.value)
+    assert trainer.engine.stats.steps == trainer.global_step == 3 and trainer.engine.micro == 0
+    poison.armed = False
+    assert trainer.step(data[4]).stepped and trainer.stats.steps == 4  # training can go on after the error
+
+
+def test_a_deferred_scheduler_steps_before_the_next_update_and_only_for_steps_taken(monkeypatch):
+    _, poison, trainer = _deferred(monkeypatch)
+    optimizer = trainer.optimizer
+    trainer.scheduler = trainer.engine.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    lrs, stepped = [], 0
+    for i, b in enumerate(batches(6)):
+        poison.armed = i in (1, 2)
+        stepped += trainer.step(b).stepped
+        lrs.append(optimizer.param_groups[0]["lr"])  # the LR the next update will use, once this step is booked
+    trainer.stats
+    assert lrs == [0.1 * 0.5**n for n in (0, 1, 1, 1, 2, 3)] and stepped == 4
+    assert optimizer.param_groups[0]["lr"] == 0.1 * 0.5**4
+
+
+def test_an_interrupt_while_waiting_for_a_verdict_loses_no_step(monkeypatch):
+    _, _, trainer = _deferred(monkeypatch)
+    data = batches(3)
+    trainer.step(data[0])
+    _InFlight.interrupt = True
     with pytest.raises(KeyboardInterrupt):
-        trainer.step(data[4])
-    trainer.step(data[5])
-    assert trainer.global_step == 5 and trainer.stats.steps == 5
+        trainer.step(data[1])  # the wait for the first step's verdict, before this step's update
+    trainer.step(data[2])
+    assert trainer.global_step == 2 and trainer.stats.steps == 2
 
 
-def test_fit_counts_as_skipped_only_its_own_steps_when_earlier_ones_are_not_booked_yet():
-    _, poison, trainer = _blocked()
+def test_fit_counts_as_skipped_only_its_own_steps_when_earlier_ones_are_not_booked_yet(monkeypatch):
+    _, poison, trainer = _deferred(monkeypatch)
     poison.armed = True
     for b in batches(3, seed=3):
-        assert trainer.step(b).skipped  # not booked: the block of 4 is not full
+        assert trainer.step(b).skipped
     poison.armed = False
     record = trainer.fit(batches(2), epochs=1, progress=False)[0]
     assert (record["steps"], record["skipped"]) == (2, 0) and trainer.stats.skipped == 3
 
 
-def test_a_load_replaces_unbooked_verdicts_and_does_not_raise_the_old_runs_skip_limit(tmp_path):
-    _, poison, trainer = _blocked(max_consecutive_skips=3)
-    data = batches(4)
+def test_a_load_replaces_the_unbooked_verdict_and_does_not_raise_the_old_runs_skip_limit(monkeypatch, tmp_path):
+    _, poison, trainer = _deferred(monkeypatch, max_consecutive_skips=2)
+    data = batches(3)
     trainer.step(data[0])
     good = trainer.save(tmp_path / "good.pt")
     poison.armed = True
     for b in data[1:]:
-        assert trainer.step(b).skipped  # three skips in a row, read with the block (not yet)
+        assert trainer.step(b).skipped  # the second skip is not booked yet
     trainer.load(good)  # the run being replaced is not booked: its skip limit is not this run's error
     assert trainer.global_step == 1 and trainer.stats.steps == 1 and trainer.stats.skipped == 0
     poison.armed = False
     assert trainer.step(data[1]).stepped and trainer.stats.steps == 2
 
 
-def test_a_new_policy_books_the_old_guards_verdicts_first():
-    model, _, trainer = _blocked("fp16")
+def test_a_new_policy_books_the_old_guards_verdict_first(monkeypatch):
+    _, _, trainer = _deferred(monkeypatch, "fp16")
     for b in batches(2):
         trainer.step(b)
-    trainer._configure(BF16Policy(), None)  # what autotune and a load do, here with verdicts unbooked
+    trainer._configure(BF16Policy(), None)  # what autotune and a load do, here with a verdict unbooked
     assert trainer.stats.steps == 2 and trainer.stats.scale is None
     trainer.step(batches(1)[0])
     assert trainer.stats.steps == 3 and trainer.stats.scale is None
 
 
-# Errors and interrupts between a step's optimizer update and the end of its bookkeeping (a hostile probe's finds).
+def test_a_float64_loss_keeps_its_digits():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    x, y = torch.randn(4, 6), torch.tensor([0, 1, 2, 0])
+    expected = nn.functional.cross_entropy(model(x).double(), y).item()  # before the step changes the weights
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu",
+                      loss_fn=lambda out, target: nn.functional.cross_entropy(out.double(), target))
+    result = trainer.step((x, y))
+    assert result.loss == expected and trainer.stats.steps == 1
+
+
+# Errors and interrupts between a step's optimizer update and the end of its bookkeeping.
 
 def _interrupt_once(monkeypatch, owner, name, after=False):
     """Make ``owner.name`` raise KeyboardInterrupt on its first call (before it runs, or after it returned)."""
@@ -772,19 +629,15 @@ def _interrupt_once(monkeypatch, owner, name, after=False):
     monkeypatch.setattr(owner, name, interrupted)
 
 
-def _adamw_scheduled():
+@pytest.mark.parametrize("after", [False, True])
+def test_an_interrupt_after_the_optimizer_update_still_counts_the_step_everywhere(monkeypatch, after):
+    from precisionloop import engine
+
     model = tiny_mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.5 ** e)
-    return model, optimizer, Trainer(model, optimizer, "bf16", device="cpu", scheduler=scheduler)
-
-
-@pytest.mark.parametrize("after", [False, True])
-def test_an_interrupt_after_the_optimizer_update_still_counts_the_step_everywhere(monkeypatch, after):
-    from precisionloop.engine import _VerdictBlocks
-
-    model, optimizer, trainer = _adamw_scheduled()
-    _interrupt_once(monkeypatch, _VerdictBlocks, "write", after=after)  # before or after the step's row is written
+    trainer = Trainer(model, optimizer, "bf16", device="cpu", scheduler=scheduler)
+    _interrupt_once(monkeypatch, engine._HostCopy, "__init__", after=after)  # as the verdict starts to the host
     b = batches(1)[0]
     with pytest.raises(KeyboardInterrupt):
         trainer.step(b)  # the weights were updated: the step happened
@@ -795,7 +648,7 @@ def test_an_interrupt_after_the_optimizer_update_still_counts_the_step_everywher
 
 
 def test_a_flush_interrupted_after_its_update_is_not_stepped_again(monkeypatch):
-    from precisionloop.engine import _VerdictBlocks
+    from precisionloop import engine
 
     def make():
         model = tiny_mlp()
@@ -807,10 +660,10 @@ def test_a_flush_interrupted_after_its_update_is_not_stepped_again(monkeypatch):
     ref.flush()
     model, trainer = make()
     trainer.step(b)
-    _interrupt_once(monkeypatch, _VerdictBlocks, "write")
+    _interrupt_once(monkeypatch, engine._HostCopy, "__init__")
     with pytest.raises(KeyboardInterrupt):
         trainer.flush()
-    assert trainer.flush() is None  # the window was stepped and dropped: before, a second step on the same gradients
+    assert trainer.flush() is None  # the window was stepped and dropped: never a second step on the same gradients
     assert trainer.global_step == trainer.stats.steps == 1
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
 
@@ -832,13 +685,14 @@ def test_a_flush_interrupted_before_its_update_drops_the_window_and_the_next_one
     assert trainer.flush().stepped and trainer.global_step == trainer.stats.steps == 1
 
 
-def test_an_interrupt_as_a_row_starts_to_be_booked_loses_no_row(monkeypatch):
-    from precisionloop.engine import TrainStats
+def test_an_interrupt_as_a_verdict_starts_to_be_booked_loses_no_step(monkeypatch):
+    from precisionloop.results import TrainStats
 
-    _, _, trainer = _blocked(per_copy=1)
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
     data = batches(3)
     trainer.step(data[0])
-    _interrupt_once(monkeypatch, TrainStats, "_record")  # the next booking: before, the row was taken off first
+    _interrupt_once(monkeypatch, TrainStats, "record")  # the next booking, before it counts anything
     with pytest.raises(KeyboardInterrupt):
         trainer.step(data[1])
     trainer.step(data[1])
@@ -860,7 +714,8 @@ def test_a_first_optimizer_step_flushed_under_inference_mode_leaves_state_later_
 
 
 def test_a_load_forgets_the_replaced_runs_last_loss(tmp_path):
-    _, _, trainer = _blocked(per_copy=1)
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
     data = batches(3)
     trainer.step(data[0])
     trainer.save(tmp_path / "one.pt")
@@ -871,7 +726,7 @@ def test_a_load_forgets_the_replaced_runs_last_loss(tmp_path):
 
 
 def test_the_scale_a_result_reports_is_current_after_a_step_interrupted_past_its_update(monkeypatch):
-    from precisionloop.engine import _VerdictBlocks
+    from precisionloop import engine
 
     def make():
         model = tiny_mlp()
@@ -883,37 +738,39 @@ def test_the_scale_a_result_reports_is_current_after_a_step_interrupted_past_its
     ref.step(b)
     ref.step(b)  # one optimizer step: the scale grows from 4 to 8
     trainer.step(b)
-    _interrupt_once(monkeypatch, _VerdictBlocks, "write", after=True)
+    _interrupt_once(monkeypatch, engine._HostCopy, "__init__", after=True)
     with pytest.raises(KeyboardInterrupt):
         trainer.step(b)
-    assert trainer.step(b).scale == ref.step(b).scale == 8.0  # a micro-batch that does not step; before: 4.0
+    assert trainer.step(b).scale == ref.step(b).scale == 8.0  # a micro-batch that does not step
 
 
-def test_a_second_interrupt_while_reading_a_failed_steps_verdict_does_not_replace_the_first_error(monkeypatch):
-    from precisionloop.engine import _VerdictBlocks
+def test_a_second_interrupt_while_booking_a_failed_step_does_not_replace_the_first_error(monkeypatch):
+    from precisionloop import engine
+    from precisionloop.results import TrainStats
 
-    _, _, trainer = _blocked(per_copy=1)
-    write, add = _VerdictBlocks.write, []
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
+    counted = []
 
-    def write_failing(self, parts, height):
+    def copy_failing(self, row):
         raise ValueError("the first error")
 
-    def add_interrupted(self, values):
-        add.append(values)
+    def record_interrupted(self, skipped, scale):
+        counted.append(skipped)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_VerdictBlocks, "write", write_failing)
-    monkeypatch.setattr(_VerdictBlocks, "add_on_host", add_interrupted)
+    monkeypatch.setattr(engine._HostCopy, "__init__", copy_failing)
+    monkeypatch.setattr(TrainStats, "record", record_interrupted)
     try:
         trainer.step(batches(1)[0])
     except ValueError as e:
         assert "the first error" in str(e)
     except KeyboardInterrupt:  # caught here, or it would stop the test session
-        pytest.fail("the interrupt in the verdict's read replaced the step's first error")
+        pytest.fail("the interrupt in the failed step's booking replaced the step's first error")
     else:
         pytest.fail("the step's error was lost")
-    assert add and trainer.global_step == 1
-    monkeypatch.setattr(_VerdictBlocks, "write", write)
+    assert counted and trainer.global_step == 1
+    monkeypatch.undo()
     trainer.step(batches(1)[0])
     assert trainer.global_step == 2
 
@@ -950,31 +807,6 @@ class _AutocastSeen(nn.Module):
         self.seen.append((torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
                           torch.is_autocast_cache_enabled()))
         return self.net(x)
-
-
-def test_the_policys_torch_autocast_is_made_once_and_again_when_the_cache_setting_changes():
-    made = []
-
-    class Counting(BF16Policy):
-        def autocast(self, device_type):
-            made.append(device_type)
-            return super().autocast(device_type)
-
-    model = _AutocastSeen()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), Counting(), device="cpu")
-    for b in batches(3):
-        trainer.step(b)
-    assert made == ["cpu"] and model.seen == [(torch.bfloat16, True)] * 3
-    assert not torch.is_autocast_enabled("cpu")  # left after each step
-    torch.set_autocast_cache_enabled(False)
-    try:
-        for b in batches(2):
-            trainer.step(b)
-    finally:
-        torch.set_autocast_cache_enabled(True)
-    assert made == ["cpu"] * 2 and model.seen[3:] == [(torch.bfloat16, False)] * 2
-    trainer.step(batches(1)[0])  # the setting back: made again
-    assert made == ["cpu"] * 3 and model.seen[-1] == (torch.bfloat16, True)
 
 
 def test_a_policy_whose_autocast_is_a_one_use_context_manager_gets_asked_every_step():

@@ -1,0 +1,135 @@
+"""Argument checks shared by the Trainer and ``fit``: each raises a ValueError that names the argument."""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+import os
+import types
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["check_int", "check_flag", "check_real", "check_loader", "check_callbacks", "check_directory",
+           "check_trainer_arguments", "check_master_weights", "check_optimizer_params", "is_plateau"]
+
+
+def check_int(name: str, value: object, low: int) -> None:
+    """Raise unless ``value`` is an int >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_flag(name: str, value: object) -> None:
+    """Raise unless ``value`` is True or False (or 1 or 0): a string such as "no" is true."""
+    if not (isinstance(value, bool) or (isinstance(value, int) and value in (0, 1))):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_real(name: str, value: object, in_range: Callable[[float], bool], valid: str) -> None:
+    """Raise unless ``value`` is a real number (not a bool or a tensor) for which ``in_range`` holds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not in_range(float(value)):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+
+
+def check_loader(name: str, loader: Any) -> None:
+    """Raise unless ``loader`` iterates (through ``__iter__`` or, as Python allows, ``__getitem__``)."""
+    if not (isinstance(loader, Iterable) or hasattr(type(loader), "__getitem__")) or isinstance(loader, (str, bytes)):
+        raise ValueError(f"{name} must be an iterable of batches (a DataLoader, a list of batches, ...), "
+                         f"got {type(loader).__name__}")
+
+
+_HOOKS = ("on_step_end", "on_epoch_end")
+
+
+def check_callbacks(callbacks: Any) -> None:
+    """Raise unless ``callbacks`` is a list or tuple of objects whose hooks, where they have them, are callable.
+
+    A bare function would be skipped without a word, and a class would fail at the first step
+    (unless its hooks are static or class methods).
+    """
+    if not isinstance(callbacks, (list, tuple)):
+        raise ValueError(f"callbacks must be a list or tuple of callback objects, got {type(callbacks).__name__}")
+    for index, cb in enumerate(callbacks):
+        hooks = [getattr(cb, name, None) for name in _HOOKS]
+        why = None
+        if isinstance(cb, type):
+            if not any(hooks) or any(isinstance(inspect.getattr_static(cb, n, None), types.FunctionType) for n in _HOOKS):
+                why = f"the class {cb.__name__} (pass an instance)"
+        elif callable(cb) and not any(hooks):
+            why = repr(cb)[:80]
+        elif not all(h is None or callable(h) for h in hooks):
+            why = f"{repr(cb)[:80]}, whose hooks are not all callable"
+        if why:
+            raise ValueError(f"callbacks[{index}] is {why}; a callback is an object with an "
+                             "on_step_end(trainer, result) and/or an on_epoch_end(trainer, record) method")
+
+
+def check_directory(name: str, path: Any) -> None:
+    """Raise unless ``path`` is a non-empty path to a directory or to nothing yet."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"{name} must be a non-empty path (str or os.PathLike), got {path!r}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{name} {os.fspath(path)!r} exists and is not a directory")
+
+
+def is_plateau(scheduler: Any) -> bool:
+    """True for schedulers stepped with a metric (ReduceLROnPlateau), which ``fit`` steps once per epoch."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+
+def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, *, grad_accum_steps: Any,
+                            max_grad_norm: Any, max_consecutive_skips: Any, **flags: Any) -> None:
+    """The Trainer's arguments, each on its own, before anything looks at them together."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not (isinstance(getattr(optimizer, "param_groups", None), list) and callable(getattr(optimizer, "step", None))):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer (or one like it: param_groups and step) built on "
+                         f"the model's parameters, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("LBFGS steps through a closure that re-evaluates the loss, which a guarded step cannot "
+                         "skip; use another torch.optim optimizer")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a callable (outputs, targets) -> loss tensor, such as "
+                         f"torch.nn.functional.cross_entropy, or None for that default; got {loss_fn!r}")
+    if scheduler is not None and (isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None))):
+        raise ValueError(f"scheduler must be an LR scheduler instance built on the optimizer, got {scheduler!r}")
+    if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("scheduler drives a different optimizer than the one given to the Trainer")
+    check_int("grad_accum_steps", grad_accum_steps, 1)
+    check_int("max_consecutive_skips", max_consecutive_skips, 1)
+    if max_grad_norm is not None:
+        check_real("max_grad_norm", max_grad_norm, lambda v: 0 < v < float("inf"), "a finite number > 0, or None")
+    for name, value in flags.items():
+        check_flag(name, value)
+
+
+def check_master_weights(model: nn.Module, name: str, compute_dtype: torch.dtype) -> None:
+    """Refuse parameters that are not fp32: the policies keep fp32 master weights and reduce precision by autocast."""
+    reduced = compute_dtype != torch.float32
+    bad = [f"{n} ({p.dtype})" for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.float32
+           and (p.dtype in (torch.float16, torch.bfloat16) or reduced)]
+    if bad:
+        raise ValueError(
+            f"parameters {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} are not fp32; precision "
+            f"{name!r} keeps fp32 master weights and runs low precision through autocast. "
+            "Call model.float() before building the Trainer")
+
+
+def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that does not hold exactly the model's trainable parameters."""
+    trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    owned = {id(p) for p in model.parameters()}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for i, n in trainable.items() if i not in held]
+    foreign = len(held - owned)
+    parts = []
+    if missing:
+        parts.append(f"trainable parameters missing from the optimizer: {', '.join(missing[:5])}"
+                     f"{' ...' if len(missing) > 5 else ''}")
+    if foreign:
+        parts.append(f"{foreign} optimizer tensor(s) that are not parameters of the model")
+    if parts:
+        raise ValueError("the optimizer must hold exactly the model's trainable parameters; found " + "; ".join(parts))
