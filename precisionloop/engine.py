@@ -122,7 +122,7 @@ class StepEngine:
             if self.compile_mode is not None:
                 loss = loss.clone()  # a CUDA-graph output would be overwritten by the next replay
             return StepResult(loss, due=False, scale=self.last_scale)
-        return self.optimizer_step(loss)  # it copies the loss into the verdict before anything replays
+        return self.optimizer_step(loss)  # it copies the loss into the verdict before a CUDA graph replays again
 
     def _compiled_step(self, batch: Any) -> StepResult:
         # Tells CUDA-graph trees a new iteration begins, so the last step's outputs may be reused; a no-op otherwise.
@@ -197,8 +197,8 @@ class StepEngine:
     def _verdict(self, found_inf: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """``[found_inf, loss, scale]`` as one row on the verdict's device: fp32, or fp64 for a float64 loss."""
         scale = self.guard.scale_tensor()
-        parts = [found_inf, loss.to(found_inf.device).reshape(())] + ([] if scale is None else [scale.reshape(())])
-        row = torch.stack(parts)
+        parts = [found_inf, loss.to(found_inf.device)] + ([] if scale is None else [scale])
+        row = torch.stack([t.reshape(()) for t in parts])
         return row if row.dtype in (torch.float32, torch.float64) else row.float()
 
     def _unscale_and_clip(self) -> tuple[torch.Tensor, torch.Tensor | None]:
