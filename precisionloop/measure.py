@@ -338,6 +338,12 @@ def _record_round(m: Measurement, got: RoundResult) -> None:
         m.peak_mb = peak if m.peak_mb is None else max(m.peak_mb, peak)
 
 
+def count_errors(**counts: tuple[object, int]) -> list[str]:
+    """``name=value`` for each ``name=(value, minimum)`` that is not an int (bools aside) at or above its minimum."""
+    return [f"{name}={value!r}" for name, (value, low) in counts.items()
+            if isinstance(value, bool) or not isinstance(value, int) or value < low]
+
+
 def _check_counts(rounds: int, iters: int, warmup: int, blocks: int, systems: Mapping) -> None:
     """Refuse bad counts before any system is built."""
     counts = {"rounds": rounds, "iters": iters, "blocks": blocks, "warmup": warmup}
