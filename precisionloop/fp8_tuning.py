@@ -1,9 +1,7 @@
-"""Choose which ``nn.Linear`` layers to train in fp8, by timing each one at the shape it really sees.
+"""Choose which ``nn.Linear`` layers to train in fp8 by timing each at the shape it really sees.
 
-Large matmuls gain from fp8, small ones lose to the cost of casting and scaling.
-:func:`choose_fp8_layers` records every Linear's input shape on one real batch, times each
-eligible layer's forward and backward in bf16 and fp8 (layers of one shape once), and keeps those
-whose fp8 rounds all beat every bf16 round. torchao is imported only when fp8 is used.
+Large matmuls gain from fp8, small ones lose to the cost of casting and scaling. torchao is
+imported only when fp8 is used.
 """
 
 from __future__ import annotations
@@ -27,11 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class LinearShape(NamedTuple):
-    """What one Linear saw on the sample batch.
-
-    ``token_counts`` has one entry per call (the input flattened to (tokens, in_features)); ``dtype``
-    is the input's dtype at the first call, under autocast (fp32 after a LayerNorm, bf16 after a matmul).
-    """
+    """What one Linear saw on the sample batch: per call, its input's rows; the first input's dtype under autocast."""
 
     token_counts: tuple[int, ...]
     in_features: int
@@ -153,11 +147,10 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
 
     Args:
         recipe: the torchao recipe: "tensorwise", "rowwise", ...
-        emulate: emulated fp8 matmuls; None: emulate off CUDA only.
+        emulate: emulated fp8 matmuls; None: off CUDA only.
         compile: ``torch.compile`` both copies, as torchao's casts are only fast fused (on CUDA as CUDA
             graphs, with at least 3 warm-up steps); None: on CUDA only.
         dtype: the input dtype the layer sees; its weight's if None.
-        timer: a clock for :func:`measure.time_steps` off CUDA; for tests.
 
     Raises:
         ValueError: ``linear`` is not an ``nn.Linear``, bad ``tokens`` or counts, torchao is missing, or

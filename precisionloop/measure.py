@@ -1,9 +1,7 @@
 """Measure training steps: interleaved rounds of fresh instances, a median with its spread, peak memory.
 
-On a GPU, cuDNN's benchmark mode picks kernels per model instance, so one timed instance can be off
-by tens of percent: :func:`interleaved` builds every system afresh each round, rotates their order,
-and reports the median of the per-round medians with the min-max spread.
-Depends on torch and the standard library only.
+cuDNN picks kernels per model instance, so one timed instance can be off by tens of percent: each
+round builds every system afresh. Depends on torch and the standard library only.
 """
 
 from __future__ import annotations
@@ -43,10 +41,7 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
     """Run ``warmup`` untimed steps, then return ``iters`` step times in ms: CUDA events on CUDA, else the wall clock.
 
     On CUDA the peak-memory counter restarts after the warm-up, so cuDNN's one-off workspace is not
-    counted. ``timer``, a clock in seconds for tests, replaces ``time.perf_counter``.
-
-    Raises:
-        ValueError: ``timer`` was given for a CUDA device.
+    counted. ``timer``, a clock in seconds for tests, replaces ``time.perf_counter``; not on CUDA (ValueError).
     """
     if timer is not None and device.type == "cuda":
         raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
@@ -375,12 +370,7 @@ def interleaved(systems: Mapping[str, Factory], *, rounds: int = 3, iters: int, 
         systems: name -> zero-argument factory building a fresh model and optimizer and returning
             a step callable or a :class:`Run`.
         iters: timed steps per system and round; a round's figure is their median.
-        warmup: untimed steps per system and round.
-        timer: passed to :func:`time_steps`.
         on_run: called as ``on_run(round_index, name)`` before each system is built.
-
-    Returns:
-        name -> :class:`Measurement`, in the order of ``systems``.
 
     Raises:
         ValueError: a count is not a whole number, ``rounds`` or ``iters`` is below 1, ``warmup``
