@@ -77,7 +77,7 @@ def _hand(config: Config, args) -> Run:
 
 
 def _trainer(package, config: Config, args, fit: bool, graph: bool = False) -> Run:
-    """``package.Trainer``'s step or fit epoch; ``graph``: with graph_optimizer_step=True, which only older packages take."""
+    """``package.Trainer``'s step or fit epoch; ``graph``: graph_optimizer_step=True, which only older packages take."""
     model = bench.build_model(args.model)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters())
     extra = {"graph_optimizer_step": True} if graph else {}

@@ -113,7 +113,7 @@ def _check_counts(**counts: tuple[object, int]) -> None:
 def _layer_factory(source: nn.Linear, tokens: int, dtype: torch.dtype, device: torch.device,
                    convert: Callable[[nn.Module], nn.Module], context: Callable[[], contextlib.AbstractContextManager],
                    graphed: bool = False):
-    """A factory for measure.interleaved: a fresh converted copy of ``source`` each round, stepping forward + backward."""
+    """A factory for measure.interleaved: a fresh converted copy of ``source`` per round, stepping fwd + bwd."""
     def build() -> measure.Run:
         layer = convert(copy.deepcopy(source))
         # A private generator: the same inputs in every round and system, and the caller's RNG untouched.
@@ -172,7 +172,7 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
         warmup = max(warmup, 3)  # CUDA-graph trees: a warm-up run, then a recording, then replays worth timing
 
     def compiled(layer: nn.Module) -> nn.Module:
-        # dynamic=False: one static graph per shape, never a dynamic one that a second shape would force on later layers.
+        # dynamic=False: one static graph per shape, not a dynamic one a second shape would force on later layers.
         return torch.compile(layer, dynamic=False, mode="reduce-overhead" if graphed else None) if compile else layer
 
     def context() -> contextlib.AbstractContextManager:

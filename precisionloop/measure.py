@@ -31,13 +31,11 @@ NOISY_MARK = " !"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _rss = {"baseline_kb": None, "usable": None}  # the CPU resident-set baseline taken by the last reset_memory
 
-Factory = Callable[[], "Callable[[], object] | Run"]
-Timer = Callable[[], float]
-RoundResult = "tuple[float, float | None] | str"  # (median ms, peak MB), or the error that stopped the system
+_Timer = Callable[[], float]
 
 
 def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
-               timer: Timer | None = None) -> list[float]:
+               timer: _Timer | None = None) -> list[float]:
     """Run ``warmup`` untimed steps, then return ``iters`` step times in ms: CUDA events on CUDA, else the wall clock.
 
     On CUDA the peak-memory counter restarts after the warm-up, so cuDNN's one-off workspace is not
@@ -136,6 +134,10 @@ class Run:
     teardown: Callable[[], None] | None = None
 
 
+_Factory = Callable[[], Callable[[], object] | Run]
+_RoundResult = tuple[float, float | None] | str  # (median ms, peak MB), or the error that stopped the system
+
+
 @dataclasses.dataclass
 class Measurement:
     """One configuration measured over rounds: per-round medians and what follows from them."""
@@ -198,7 +200,8 @@ def _error_text(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _run_alone(factory: Factory, *, iters: int, warmup: int, device: torch.device, timer: Timer | None) -> RoundResult:
+def _run_alone(factory: _Factory, *, iters: int, warmup: int, device: torch.device,
+               timer: _Timer | None) -> _RoundResult:
     """Build one fresh instance and time it: (median step time, peak memory), or its error as text."""
     try:
         reset_memory(device)
@@ -233,7 +236,7 @@ class _LiveSystem:
     peak_mb: float | None = None
 
 
-def _build_and_warm_up(factory: Factory, *, warmup: int, device: torch.device) -> _LiveSystem:
+def _build_and_warm_up(factory: _Factory, *, warmup: int, device: torch.device) -> _LiveSystem:
     """Build an instance and run its warm-up steps; what it then holds is its own memory."""
     before = _resident_mb(device)
     run = _as_run(factory())
@@ -252,7 +255,7 @@ def _build_and_warm_up(factory: Factory, *, warmup: int, device: torch.device) -
     return _LiveSystem(run, None if before is None or after is None else max(after - before, 0.0))
 
 
-def _time_block(live: _LiveSystem, steps: int, device: torch.device, timer: Timer | None,
+def _time_block(live: _LiveSystem, steps: int, device: torch.device, timer: _Timer | None,
                 origin_mb: float | None, held_by_others: float | None) -> None:
     """Time ``steps`` steps of one instance; its peak is the block's top over the round's origin, less the others'."""
     base = None
@@ -287,14 +290,14 @@ def _call_teardown(live: _LiveSystem) -> str | None:
     return None
 
 
-def _blocked_round(factories: Mapping[str, Factory], order: list[str], *, r: int, iters: int, warmup: int,
-                   blocks: int, device: torch.device, timer: Timer | None,
-                   on_run: Callable[[int, str], None] | None) -> dict[str, RoundResult]:
+def _blocked_round(factories: Mapping[str, _Factory], order: list[str], *, r: int, iters: int, warmup: int,
+                   blocks: int, device: torch.device, timer: _Timer | None,
+                   on_run: Callable[[int, str], None] | None) -> dict[str, _RoundResult]:
     """Build and warm up every system in ``order``, then time them in ``blocks`` alternating blocks of steps."""
     reset_memory(device)
     origin = 0.0 if device.type == "cuda" else _resident_mb(device)
     live: dict[str, _LiveSystem] = {}
-    out: dict[str, RoundResult] = {}
+    out: dict[str, _RoundResult] = {}
     try:
         for name in order:
             if on_run is not None:
@@ -322,7 +325,7 @@ def _blocked_round(factories: Mapping[str, Factory], order: list[str], *, r: int
                 out[name] = failed
 
 
-def _record_round(m: Measurement, got: RoundResult) -> None:
+def _record_round(m: Measurement, got: _RoundResult) -> None:
     """Add one round's result, or its error, to a measurement."""
     if isinstance(got, str):
         m.error = got
@@ -352,8 +355,8 @@ def _check_counts(rounds: int, iters: int, warmup: int, blocks: int, systems: Ma
                          "blocks, and memory it allocated only in its first timed step would count against the others")
 
 
-def interleaved(systems: Mapping[str, Factory], *, rounds: int = 3, iters: int, warmup: int, device: torch.device,
-                timer: Timer | None = None, on_run: Callable[[int, str], None] | None = None,
+def interleaved(systems: Mapping[str, _Factory], *, rounds: int = 3, iters: int, warmup: int, device: torch.device,
+                timer: _Timer | None = None, on_run: Callable[[int, str], None] | None = None,
                 blocks: int = 1) -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated by the round.
 
