@@ -331,7 +331,7 @@ def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...
 
 
 class _Trial:
-    """A candidate's factory for :func:`measure.interleaved`: a fresh copy per round; the first round's losses kept."""
+    """A candidate's factory for :func:`measure.interleaved`: a fresh copy per round, losses of the first round kept."""
 
     def __init__(self, candidate: Candidate, model, optimizer_factory, batch, device: torch.device, loss_for):
         self.candidate, self.model, self.optimizer_factory = candidate, model, optimizer_factory
