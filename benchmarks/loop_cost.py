@@ -2,17 +2,14 @@
 
     PYTHONPATH=. python benchmarks/loop_cost.py --json loop_cost.json
     PYTHONPATH=. python benchmarks/loop_cost.py --before path/to/old/precisionloop   # also an older copy, same process
+    PYTHONPATH=. python benchmarks/loop_cost.py --before path/to/old/precisionloop --before-graph  # and its graph step
     PYTHONPATH=. python benchmarks/loop_cost.py --profile                            # where the host time goes
-    PYTHONPATH=. python benchmarks/loop_cost.py --graph-step   # also graph_optimizer_step=True (step+graph, fit+graph)
 
-For each configuration (model, batch, optimizer, eager or compiled) three systems train the same
-model on the same GPU-resident batch: the hand loop (autocast, backward, optimizer step, no skip
-check), ``Trainer.step``, and ``Trainer.fit`` over an epoch of --fit-steps batches with its progress
-bar on (per-step time = epoch time / steps). They are timed by
-``precisionloop.measure.interleaved`` (fresh model and optimizer per system and round, rotating
-order, the timed steps alternating between the systems step by step, as the recipe's do on CUDA, or in --blocks
-blocks; `fit`'s epoch by epoch), and the wrapper cost
-is the per-round ratio to the hand loop, paired in time.
+For each configuration the hand loop (autocast, backward, optimizer step, no skip check),
+``Trainer.step`` and ``Trainer.fit`` (epochs of --fit-steps batches, progress bar on; per-step
+time = epoch time / steps) train the same model on the same device-resident batch, timed by
+``measure.interleaved`` with the systems alternating step by step (fit: epoch by epoch) or in
+--blocks blocks. The cost is the per-round ratio to the hand loop, paired in time.
 """
 
 from __future__ import annotations
@@ -80,9 +77,10 @@ def _hand(config: Config, args) -> Run:
 
 
 def _trainer(package, config: Config, args, fit: bool, graph: bool = False) -> Run:
+    """``package.Trainer``'s step or fit epoch; ``graph``: graph_optimizer_step=True, which only older packages take."""
     model = bench.build_model(args.model)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters())
-    extra = {"graph_optimizer_step": True} if graph else {}  # an older package may not know the argument
+    extra = {"graph_optimizer_step": True} if graph else {}
     trainer = package.Trainer(model, optimizer, config.precision, device=args.device, compile=config.compile,
                               distributed=None, **extra)
     batch = trainer.to_device(bench.random_batch(config.batch_size, args.image_size, args.device))
@@ -107,21 +105,15 @@ def _hand_epoch(config: Config, args) -> Run:
     return Run(epoch, context=run.context)
 
 
-def step_systems(config: Config, args, before) -> dict:
-    out = {"hand": lambda: _hand(config, args), "step": lambda: _trainer(precisionloop, config, args, False)}
-    if args.graph_step:
-        out["step+graph"] = lambda: _trainer(precisionloop, config, args, False, graph=True)
+def systems(config: Config, args, before, fit: bool) -> dict:
+    """The hand loop, this package's Trainer and, with --before, the older one's (with --before-graph, graphed too)."""
+    kind = "fit" if fit else "step"
+    out = {"hand": lambda: (_hand_epoch if fit else _hand)(config, args),
+           kind: lambda: _trainer(precisionloop, config, args, fit)}
     if before is not None:
-        out["step-before"] = lambda: _trainer(before, config, args, False)
-    return out
-
-
-def fit_systems(config: Config, args, before) -> dict:
-    out = {"hand": lambda: _hand_epoch(config, args), "fit": lambda: _trainer(precisionloop, config, args, True)}
-    if args.graph_step:
-        out["fit+graph"] = lambda: _trainer(precisionloop, config, args, True, graph=True)
-    if before is not None:
-        out["fit-before"] = lambda: _trainer(before, config, args, True)
+        out[f"{kind}-before"] = lambda: _trainer(before, config, args, fit)
+        if args.before_graph:
+            out[f"{kind}-before+graph"] = lambda: _trainer(before, config, args, fit, graph=True)
     return out
 
 
@@ -179,19 +171,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--blocks", type=int, default=None,
-                   help="alternating blocks per round (measure.interleaved), so the systems are timed side by side; "
-                        "default: step by step (fit: epoch by epoch), as the recipe on CUDA; at most --iters "
-                        "(fit: --fit-epochs) blocks; 1 runs them one after the other")
+                   help="alternating blocks per round (measure.interleaved); default: step by step (fit: epoch by "
+                        "epoch), at most --iters (fit: --fit-epochs); 1 runs the systems one after the other")
     p.add_argument("--iters", type=int, default=40, help="timed steps (fit: timed epochs) per round")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--fit-steps", type=int, default=100,
-                   help="batches per timed fit epoch (each fit call also pays ~0.6 ms of per-epoch work: the progress "
-                        "bar, the RNG snapshot, the record; a short epoch spreads it over few steps)")
+                   help="batches per timed fit epoch (each fit call also pays per-epoch work: the progress bar, the "
+                        "RNG snapshot, the record; a short epoch spreads it over few steps)")
     p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
-    p.add_argument("--graph-step", action="store_true",
-                   help="also time Trainer.step and fit with graph_optimizer_step=True (step+graph, fit+graph)")
+    p.add_argument("--before-graph", action="store_true",
+                   help="with --before, also time its Trainer with graph_optimizer_step=True "
+                        "(step-before+graph, fit-before+graph)")
     p.add_argument("--no-fit", action="store_true", help="time the step systems only")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the hand loop and Trainer.step (and --before's) for the first configuration")
@@ -203,8 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, value, low in (("--blocks", args.blocks, 1), ("--rounds", args.rounds, 1), ("--iters", args.iters, 1),
                              ("--warmup", args.warmup, 0), ("--fit-steps", args.fit_steps, 1),
                              ("--fit-epochs", args.fit_epochs, 1), ("--image-size", args.image_size, 16)):
-        if value is not None and value < low:  # checked before any timing: a bad one failed only after the step's
+        if value is not None and value < low:  # before any timing, so nothing measured is lost
             p.error(f"{flag} must be >= {low}, got {value}")
+    if args.before_graph and not args.before:
+        p.error("--before-graph times the --before package's graph_optimizer_step: give --before PATH")
     bench.check_output(p, "--json", args.json)
     args.device = bench._parse_device(p, args.device)  # the recipe's: cuda, cuda:N or cpu, else a parser error
     indices = [] if args.configs is None else [s.strip() for s in args.configs.split(",")]
@@ -219,9 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
         for fit, wanted in ((False, args.profile), (True, args.profile_fit)):
             if wanted and i == 0:
                 print("\n".join(profiles(config, args, before, fit=fit)), flush=True)
-        timings = interleaved(step_systems(config, args, before), rounds=args.rounds, iters=args.iters,
+        timings = interleaved(systems(config, args, before, fit=False), rounds=args.rounds, iters=args.iters,
                               warmup=args.warmup, device=args.device, blocks=min(args.blocks or args.iters, args.iters))
-        fits = {} if args.no_fit else interleaved(fit_systems(config, args, before), rounds=args.rounds,
+        fits = {} if args.no_fit else interleaved(systems(config, args, before, fit=True), rounds=args.rounds,
                                                   iters=args.fit_epochs, warmup=2, device=args.device,
                                                   blocks=min(args.blocks or args.fit_epochs, args.fit_epochs))
         for name, m in fits.items():  # per-epoch times to per-step times
@@ -232,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, m in timings.items():
             base = timings["hand (epochs)"] if name.startswith("fit") else timings["hand"]
             ratio = paired_ratio(m, base) if m.rounds_ms and base.rounds_ms and not name.startswith("hand") else None
-            print(f"  {name:<14} {format_time(m):>28}  {format_ratio(ratio) + ' vs hand' if ratio else ''}"
+            print(f"  {name:<18} {format_time(m):>28}  {format_ratio(ratio) + ' vs hand' if ratio else ''}"
                   f"{'error: ' + m.error.strip().splitlines()[0][:160] if m.error else ''}", flush=True)
             entry["systems"][name] = {**m.to_dict(), "vs_hand": ratio}
         report["configs"].append(entry)

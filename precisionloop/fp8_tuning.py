@@ -1,15 +1,7 @@
-"""Choose which ``nn.Linear`` layers to train in fp8, by timing each one at the shape it really sees.
+"""Choose which ``nn.Linear`` layers to train in fp8 by timing each at the shape it really sees.
 
-Whether fp8 pays depends on the shape of the matmul: large layers gain, small ones lose to the
-cost of casting and scaling. :func:`choose_fp8_layers` records the input shape of every Linear
-on one real batch (:func:`linear_shapes`), times each eligible layer's forward and backward in
-bf16 and in fp8 (:func:`time_linear`, through :func:`precisionloop.measure.interleaved`), and
-keeps the layers whose fp8 rounds are all faster than every bf16 round. Layers of the same shape
-are timed once. The result's :meth:`Fp8Choice.module_filter_fn` is the ``module_filter_fn`` of
-``torchao.float8.convert_to_float8_training``.
-
-This module depends on torch, the standard library, :mod:`precisionloop.measure` and, for the RNG,
-:mod:`precisionloop.checkpoint`; torchao is imported only when fp8 is actually used.
+Large matmuls gain from fp8, small ones lose to the cost of casting and scaling. torchao is
+imported only when fp8 is used.
 """
 
 from __future__ import annotations
@@ -17,14 +9,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
 
 from . import checkpoint, fp8, measure
-from .fp8 import ALIGNMENT, eligible
+from .fp8 import eligible
 
 __all__ = ["LinearShape", "LayerTiming", "Fp8Choice", "linear_shapes", "eligible", "time_linear", "choose_fp8_layers"]
 
@@ -32,11 +25,7 @@ log = logging.getLogger(__name__)
 
 
 class LinearShape(NamedTuple):
-    """What one Linear saw on the sample batch.
-
-    ``token_counts`` has one entry per call (the input flattened to (tokens, in_features)); ``dtype``
-    is the input's dtype at the first call, under autocast (fp32 after a LayerNorm, bf16 after a matmul).
-    """
+    """What one Linear saw on the sample batch: per call, its input's rows; the first input's dtype under autocast."""
 
     token_counts: tuple[int, ...]
     in_features: int
@@ -64,44 +53,30 @@ class LinearShape(NamedTuple):
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    tensor = next(model.parameters(), None)
-    if tensor is None:
-        tensor = next(model.buffers(), None)
+    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
 def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on ``device`` where autocast exists there, as the rest of the model will run."""
+    """bf16 autocast where ``device`` has autocast, as the rest of the model will run."""
     if not torch.amp.is_autocast_available(device.type):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def _first_input(args: tuple, kwargs: dict) -> Any:
-    return args[0] if args else kwargs.get("input")
-
-
 def linear_shapes(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module, Any], Any]) -> dict[str, LinearShape]:
-    """Run ``run(model, sample_batch)`` once and record the input shape every nn.Linear really saw.
+    """Run ``run(model, sample_batch)`` once (e.g. ``lambda m, b: m(b[0])``) and record each nn.Linear's input shape.
 
-    The forward runs under ``torch.no_grad()`` and bf16 autocast for the model's device type, as
-    training under an fp8 policy would. BatchNorm-style buffers and the RNG are restored
-    afterwards, so the capture leaves the model and the caller's random stream as they were.
-
-    Args:
-        model: the model, on its device.
-        sample_batch: one real batch, on the model's device.
-        run: calls the model on a batch, e.g. ``lambda m, b: m(b[0])``.
-
-    Returns:
-        fully qualified name -> :class:`LinearShape` (a tuple), in the order of first call; the root
-        module, if it is a Linear, is named "". Layers never called are absent.
+    The forward runs under ``torch.no_grad()`` and bf16 autocast, as training under an fp8 policy
+    would; buffers (BatchNorm statistics) and the RNG are restored afterwards. Returns qualified
+    name -> :class:`LinearShape` in the order of first call (a root Linear is named ""); layers
+    never called are absent.
     """
     seen: dict[str, list] = {}
 
     def hook_for(name: str):
         def hook(module, args, kwargs, output):
-            x = _first_input(args, kwargs)
+            x = args[0] if args else kwargs.get("input")
             if isinstance(x, torch.Tensor) and x.dim() >= 1:
                 entry = seen.setdefault(name, [[], module.in_features, module.out_features, x.dtype,
                                                module.bias is not None])
@@ -127,10 +102,9 @@ def linear_shapes(model: nn.Module, sample_batch: Any, run: Callable[[nn.Module,
     return {name: LinearShape(tuple(counts), *rest) for name, (counts, *rest) in seen.items()}
 
 
-def _check_counts(**counts: Any) -> None:
-    """Raise ValueError unless each count is an int (not a bool) at or above its minimum (``name=(value, minimum)``)."""
-    bad = [f"{name}={value!r}" for name, (value, low) in counts.items()
-           if isinstance(value, bool) or not isinstance(value, int) or value < low]
+def _check_counts(**counts: tuple[object, int]) -> None:
+    """Refuse counts that are not integers at or above their minimum (``name=(value, minimum)``)."""
+    bad = measure.count_errors(**counts)
     if bad:
         wanted = ", ".join(f"{name} >= {low}" for name, (_, low) in counts.items())
         raise ValueError(f"need integers {wanted}; got {', '.join(bad)}")
@@ -139,10 +113,7 @@ def _check_counts(**counts: Any) -> None:
 def _layer_factory(source: nn.Linear, tokens: int, dtype: torch.dtype, device: torch.device,
                    convert: Callable[[nn.Module], nn.Module], context: Callable[[], contextlib.AbstractContextManager],
                    graphed: bool = False):
-    """A factory for measure.interleaved: a fresh copy of ``source`` each round, stepping forward + backward.
-
-    ``graphed``: ``convert`` compiles with CUDA graphs, so each step begins a new graph iteration.
-    """
+    """A factory for measure.interleaved: a fresh converted copy of ``source`` per round, stepping fwd + bwd."""
     def build() -> measure.Run:
         layer = convert(copy.deepcopy(source))
         # A private generator: the same inputs in every round and system, and the caller's RNG untouched.
@@ -154,7 +125,7 @@ def _layer_factory(source: nn.Linear, tokens: int, dtype: torch.dtype, device: t
             if graphed:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten now
             y = layer(x)
-            if not grad:  # a random output gradient, as a loss would give, shaped and typed after the output
+            if not grad:  # a random output gradient, as a loss would give
                 grad.append(torch.randn(y.shape, device=device, dtype=y.dtype, generator=gen))
             y.backward(grad[0])
             x.grad = None
@@ -168,62 +139,46 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
                 emulate: bool | None = None, iters: int = 20, warmup: int = 5, rounds: int = 3,
                 compile: bool | None = None, dtype: torch.dtype | None = None,
                 timer: Callable[[], float] | None = None) -> tuple[measure.Measurement, measure.Measurement]:
-    """Time one Linear's forward + backward at ``tokens`` rows, in bf16 and in fp8, in interleaved rounds.
+    """Time one Linear's forward + backward at ``tokens`` rows, in bf16 and in fp8: (bf16, fp8) measurements.
 
-    Each round builds fresh copies of ``linear`` (weights as they are, so fp32 master weights stay
-    fp32): one as is, one converted with ``convert_to_float8_training``, both compiled if ``compile``
-    (on CUDA as CUDA graphs, which take at least 3 warm-up steps to record); both step under bf16
-    autocast on random inputs that require grad, with a random output gradient, and zero their
-    gradients after every step. ``linear`` itself is not touched.
+    Each round steps fresh copies of ``linear`` (which is not touched), one converted with
+    ``convert_to_float8_training``, under bf16 autocast on random inputs and output gradients;
+    a failing system has ``error`` set.
 
     Args:
-        linear: the layer to time.
-        tokens: rows of its flattened input, e.g. batch * sequence length.
-        device: where to time it.
         recipe: the torchao recipe: "tensorwise", "rowwise", ...
-        emulate: emulated fp8 matmuls; None means emulate off CUDA and use real fp8 on CUDA.
-        iters: timed steps per round and system.
-        warmup: untimed steps first (they include the compile, when compiled).
-        rounds: interleaved rounds.
-        compile: ``torch.compile`` both copies, as the model they will run in is compiled (torchao's
-            casts are only fast fused), on CUDA with CUDA graphs; None means on CUDA.
-        dtype: the input dtype the layer sees (see :class:`LinearShape`); its weight's dtype if None.
-        timer: a clock for :func:`measure.time_steps` off CUDA; for tests.
-
-    Returns:
-        (bf16, fp8) :class:`measure.Measurement` s; a failing system has ``error`` set and no rounds.
+        emulate: emulated fp8 matmuls; None: off CUDA only.
+        compile: ``torch.compile`` both copies, as torchao's casts are only fast fused (on CUDA as CUDA
+            graphs, with at least 3 warm-up steps); None: on CUDA only.
+        dtype: the input dtype the layer sees; its weight's if None.
 
     Raises:
-        ValueError: ``linear`` is not an ``nn.Linear``, ``tokens`` is not a positive integer, torchao is
-            missing, the recipe is unknown, or bad counts (see :func:`measure.interleaved`).
+        ValueError: ``linear`` is not an ``nn.Linear``, bad ``tokens`` or counts, torchao is missing, or
+            the recipe is unknown.
     """
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"time_linear times an nn.Linear, got a {type(linear).__name__}")
     _check_counts(tokens=(tokens, 1), rounds=(rounds, 1), iters=(iters, 1), warmup=(warmup, 0))
-    device = torch.device(device)
-    emulate = device.type != "cuda" if emulate is None else emulate
+    device, emulate = _device_and_emulate(device, emulate)
     compile = device.type == "cuda" if compile is None else compile
     config = fp8.config(recipe, emulate)
     convert_fp8 = fp8.require_torchao().convert_to_float8_training
     source = copy.deepcopy(linear).to(device)
     dtype = dtype or source.weight.dtype
-
-    # On CUDA both copies run as CUDA graphs: alone, one layer's step is a few kernels whose launches
-    # (and torchao's casts, as separate kernels) would outweigh the matmuls, while in the compiled
-    # model they sit among the model's other kernels. Graphs time what the GPU does.
+    # Alone, one layer's step is a few kernels whose launches would outweigh the matmuls; in the
+    # compiled model they sit among the model's other kernels. CUDA graphs time what the GPU does.
     graphed = compile and device.type == "cuda"
     if graphed:
         warmup = max(warmup, 3)  # CUDA-graph trees: a warm-up run, then a recording, then replays worth timing
 
     def compiled(layer: nn.Module) -> nn.Module:
-        # dynamic=False: one static graph per shape (fresh copies of one shape reuse it), never a
-        # dynamic graph that a second shape would otherwise force on every later layer.
+        # dynamic=False: one static graph per shape, not a dynamic one a second shape would force on later layers.
         return torch.compile(layer, dynamic=False, mode="reduce-overhead" if graphed else None) if compile else layer
 
     def context() -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         stack.enter_context(_autocast(device))
-        if compile:  # every distinct shape is a recompile; past the default limit of 8 dynamo falls back to eager
+        if compile:  # every distinct shape is a recompile; past the default limit dynamo falls back to eager
             limit = max(torch._dynamo.config.recompile_limit, 256)
             stack.enter_context(torch._dynamo.config.patch(recompile_limit=limit))
         return stack
@@ -235,6 +190,12 @@ def time_linear(linear: nn.Linear, tokens: int, device: str | torch.device, *, r
     for m in results.values():
         m.settings.update(recipe=recipe, emulate=emulate, compile=compile, cuda_graphs=graphed, tokens=tokens)
     return results["bf16"], results["fp8"]
+
+
+def _device_and_emulate(device: str | torch.device, emulate: bool | None) -> tuple[torch.device, bool]:
+    """The device, and whether fp8 is emulated there: None means off CUDA only."""
+    device = torch.device(device)
+    return device, device.type != "cuda" if emulate is None else emulate
 
 
 @dataclasses.dataclass
@@ -260,12 +221,10 @@ class LayerTiming:
     @property
     def saved_ms(self) -> float:
         """Median time saved per training step (all calls of the layer) if chosen, else 0."""
-        if not self.chosen:
-            return 0.0
-        return (self.bf16.median_ms - self.fp8.median_ms) * self.shape.calls
+        return (self.bf16.median_ms - self.fp8.median_ms) * self.shape.calls if self.chosen else 0.0
 
 
-def _name(name: str) -> str:
+def _display_name(name: str) -> str:
     return name or "<root>"
 
 
@@ -291,8 +250,8 @@ class Fp8Choice:
         for t in self.table:
             ms = [measure.format_time(m) if m is not None and m.rounds_ms else "-" for m in (t.bf16, t.fp8)]
             ratio = measure.format_ratio(t.ratio) if t.ratio else "-"
-            same = f" (same shape as {_name(t.same_as)})" if t.same_as is not None else ""
-            rows.append((_name(t.name), str(t.shape) if t.shape else "-", *ms, ratio, t.verdict + same))
+            same = f" (same shape as {_display_name(t.same_as)})" if t.same_as is not None else ""
+            rows.append((_display_name(t.name), str(t.shape) if t.shape else "-", *ms, ratio, t.verdict + same))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
         mode = "emulated fp8: these times say nothing about fp8 speed on a GPU" if self.emulate else "real fp8"
@@ -324,36 +283,16 @@ def choose_fp8_layers(model: nn.Module, sample_batch: Any, run: Callable[[nn.Mod
                       verbose: bool = False) -> Fp8Choice:
     """Time every Linear of ``model`` at its real shape in bf16 and fp8 and choose those fp8 clearly speeds up.
 
-    A layer is chosen when every fp8 round is faster than every bf16 round (``fp8.max_ms <
-    bf16.min_ms * (1 - margin)``): separated beyond the measured spread. Layers of the same
-    shape, dtype and bias (a transformer's blocks) are timed once and share the verdict. Layers
-    that are not called on ``sample_batch``, or that fp8 cannot run (:func:`eligible`), are listed
-    as skipped. ``model`` is not changed.
-
-    Args:
-        model: the model, on its device.
-        sample_batch: one real batch, on the model's device.
-        run: calls the model on a batch, e.g. ``lambda m, b: m(b[0])``.
-        device: where to time the layers (where training will run).
-        recipe: the torchao recipe: "tensorwise", "rowwise", ...
-        emulate: emulated fp8; None means emulate off CUDA, real fp8 on CUDA.
-        iters: timed steps per round, layer and system.
-        warmup: untimed steps first.
-        rounds: interleaved rounds; at least 2 for a spread worth the name.
-        margin: how much faster than bf16's fastest round fp8's slowest must be, as a fraction.
-        compile: compile both copies; None means on CUDA (see :func:`time_linear`).
-        skip: names of layers not to time or choose, each with the reason the table gives
-            (autotune's: kept in fp32, registered under two names).
-        verbose: print the table.
-
-    Returns:
-        an :class:`Fp8Choice`.
+    A layer is chosen when ``fp8.max_ms < bf16.min_ms * (1 - margin)``: separated beyond the
+    measured spread. Layers of one shape, dtype and bias are timed once. Layers not called on
+    ``sample_batch`` (run as :func:`linear_shapes` runs it), that fp8 cannot run (:func:`eligible`)
+    or named in ``skip`` (name -> the reason to show) are listed as skipped. ``model`` is not
+    changed. The other settings are :func:`time_linear`'s.
 
     Raises:
         ValueError: torchao is missing, the recipe is unknown, or bad counts or margin.
     """
-    device = torch.device(device)
-    emulate = device.type != "cuda" if emulate is None else emulate
+    device, emulate = _device_and_emulate(device, emulate)
     _check_counts(rounds=(rounds, 1), iters=(iters, 1), warmup=(warmup, 0))
     if not 0 <= margin < 1:
         raise ValueError(f"need 0 <= margin < 1; got {margin!r}")

@@ -1,11 +1,7 @@
-"""One way to measure training steps: interleaved rounds of fresh instances, a median with its spread, peak memory.
+"""Measure training steps: interleaved rounds of fresh instances, a median with its spread, peak memory.
 
-On a GPU, cuDNN's benchmark mode picks kernels per model instance, so one timed run of one instance
-can be off by tens of percent. :func:`interleaved` builds every system afresh in each of several
-rounds, rotates the order of the systems from round to round (so no system always runs first or
-always runs hot), and reports the median over the per-round medians with the min-max spread.
-
-This module depends on torch and the standard library only.
+cuDNN picks kernels per model instance, so one timed instance can be off by tens of percent: each
+round builds every system afresh. Depends on torch and the standard library only.
 """
 
 from __future__ import annotations
@@ -35,24 +31,15 @@ NOISY_MARK = " !"
 _CLEAR_REFS = "/proc/self/clear_refs"
 _rss = {"baseline_kb": None, "usable": None}  # the CPU resident-set baseline taken by the last reset_memory
 
+_Timer = Callable[[], float]
+
 
 def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
-               timer: Callable[[], float] | None = None) -> list[float]:
-    """Run ``warmup`` untimed steps, then return ``iters`` per-step times in milliseconds.
+               timer: _Timer | None = None) -> list[float]:
+    """Run ``warmup`` untimed steps, then return ``iters`` step times in ms: CUDA events on CUDA, else the wall clock.
 
-    CUDA steps are timed with CUDA events, other devices' with the wall clock. On CUDA the
-    peak-memory counter restarts after the warm-up, so cuDNN's one-off autotuning workspace does
-    not count as the step's memory.
-
-    Args:
-        step: runs one training step.
-        iters: timed steps.
-        warmup: untimed steps first.
-        device: where the step runs.
-        timer: a clock in seconds that replaces ``time.perf_counter`` off CUDA; for tests.
-
-    Raises:
-        ValueError: ``timer`` was given for a CUDA device, which is timed with events.
+    On CUDA the peak-memory counter restarts after the warm-up, so cuDNN's one-off workspace is not
+    counted. ``timer``, a clock in seconds for tests, replaces ``time.perf_counter``; not on CUDA (ValueError).
     """
     if timer is not None and device.type == "cuda":
         raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
@@ -78,26 +65,19 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
 
 
 def _status_kb(field: str) -> int | None:
-    """A ``kB`` field of /proc/self/status, such as VmRSS or VmHWM; None where there is none."""
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM); None where there is none."""
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
+            return next((int(line.split()[1]) for line in f if line.startswith(field + ":")), None)
     except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _trim_malloc() -> None:
-    """Hand freed heap pages back to the OS (glibc), so an earlier run's leftovers don't hide the next one's growth."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return None
 
 
 def _reset_rss() -> None:
-    """Restart the kernel's resident-set high-water mark and remember the resident set now."""
-    _trim_malloc()
+    """Restart the resident-set high-water mark and remember the resident set now."""
+    # Freed heap pages go back to the OS first, so an earlier run's leftovers don't hide the next one's growth.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:
         with open(_CLEAR_REFS, "w") as f:
             f.write("5")  # 5: reset VmHWM to the current resident set
@@ -120,11 +100,7 @@ def reset_memory(device: torch.device) -> None:
 
 
 def peak_mb(device: torch.device) -> float | None:
-    """Peak memory in MB since the last :func:`reset_memory`; see :func:`memory_kind` for what is counted.
-
-    On CUDA, the peak allocated memory. On the CPU (Linux), the growth of the process's peak
-    resident set over the resident set at the reset; None where /proc/self/clear_refs is unusable.
-    """
+    """Peak MB since :func:`reset_memory`: CUDA's allocated peak, or the CPU's resident-set growth (None if unknown)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     if not _rss["usable"]:
@@ -139,7 +115,7 @@ def memory_kind(device: torch.device) -> str:
         return "MB"
     if device.type != "cpu":
         return "n/a"
-    if _rss["usable"] is None:  # no reset yet: probe without touching the high-water mark
+    if _rss["usable"] is None:  # no reset yet: look without touching the high-water mark
         return "MB RSS" if os.access(_CLEAR_REFS, os.W_OK) and _status_kb("VmHWM") is not None else "n/a"
     return "MB RSS" if _rss["usable"] else "n/a"
 
@@ -148,17 +124,18 @@ def memory_kind(device: torch.device) -> str:
 class Run:
     """What a factory may return instead of a bare step.
 
-    ``context`` is entered around the warm-up and the timed steps: a context manager (a policy's
-    ``backend_flags()``, say), or a zero-argument callable returning a fresh one (the bound
-    ``policy.backend_flags``). With ``blocks > 1`` it is entered once per block, so it must be
-    the callable: a context manager object is refused there, since many (every generator-based
-    one) cannot be entered twice. ``teardown`` is called after the steps, before the instance is
-    dropped (to read counters such as ``trainer.stats``).
+    ``context`` is entered around the warm-up and the timed steps: a context manager, or a callable
+    returning a fresh one (``policy.backend_flags``), which ``blocks > 1`` needs since it enters it
+    once per block. ``teardown`` runs after the steps, before the instance is dropped.
     """
 
     step: Callable[[], object]
     context: ContextManager | Callable[[], ContextManager] | None = None
     teardown: Callable[[], None] | None = None
+
+
+_Factory = Callable[[], Callable[[], object] | Run]
+_RoundResult = tuple[float, float | None] | str  # (median ms, peak MB), or the error that stopped the system
 
 
 @dataclasses.dataclass
@@ -192,7 +169,6 @@ class Measurement:
 
     @property
     def noisy(self) -> bool:
-        """Whether the spread exceeds NOISY_SPREAD."""
         return self.spread is not None and self.spread > NOISY_SPREAD
 
     def to_dict(self) -> dict:
@@ -203,39 +179,46 @@ class Measurement:
                 "error": self.error}
 
 
-def _one_round(factory: Callable[[], Callable[[], object] | Run], *, iters: int, warmup: int,
-               device: torch.device, timer: Callable[[], float] | None) -> tuple[float, float | None]:
-    """Build one fresh instance, time it, and return its median step time and peak memory."""
-    reset_memory(device)
-    run = _as_run(factory())
-    try:
-        with _context(run):
-            times = time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer)
-        return statistics.median(times), peak_mb(device)
-    finally:
-        if run.teardown is not None:
-            run.teardown()
-
-
 def _as_run(made: Callable[[], object] | Run) -> Run:
-    """A factory's result as a Run."""
     return made if isinstance(made, Run) else Run(made)
 
 
 def _is_context_object(context: object) -> bool:
-    """A context manager instance, as opposed to a factory of them (a class such as ``torch.no_grad`` is one)."""
+    """A context manager instance, not a factory of them (a class such as ``torch.no_grad`` is a factory)."""
     return hasattr(context, "__enter__") and not isinstance(context, type)
 
 
-def _context(run: Run) -> ContextManager:
-    """The run's context to enter now: none, the context manager it holds, or a fresh one from its factory."""
+def _context_for(run: Run) -> ContextManager:
+    """The context to enter now: none, the one the run holds, or a fresh one from its factory."""
     if run.context is None:
         return contextlib.nullcontext()
     return run.context if _is_context_object(run.context) else run.context()
 
 
+def _error_text(e: Exception) -> str:
+    """Text, not the exception: its traceback's frames would keep the failed instance alive."""
+    return f"{type(e).__name__}: {e}"
+
+
+def _run_alone(factory: _Factory, *, iters: int, warmup: int, device: torch.device,
+               timer: _Timer | None) -> _RoundResult:
+    """Build one fresh instance and time it: (median step time, peak memory), or its error as text."""
+    try:
+        reset_memory(device)
+        run = _as_run(factory())
+        try:
+            with _context_for(run):
+                times = time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer)
+            return statistics.median(times), peak_mb(device)
+        finally:
+            if run.teardown is not None:
+                run.teardown()
+    except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
+        return _error_text(e)
+
+
 def _resident_mb(device: torch.device) -> float | None:
-    """Memory held now: the CUDA allocator's allocated memory, or the CPU resident set (Linux); None if unknown."""
+    """Memory held now: CUDA's allocated memory, or the CPU resident set; None if unknown."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device) / 2**20
@@ -244,7 +227,7 @@ def _resident_mb(device: torch.device) -> float | None:
 
 
 @dataclasses.dataclass
-class _Live:
+class _LiveSystem:
     """One system's instance inside a blocked round: its run, the memory it holds, its timed steps, its peak."""
 
     run: Run
@@ -253,7 +236,7 @@ class _Live:
     peak_mb: float | None = None
 
 
-def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, device: torch.device) -> _Live:
+def _build_and_warm_up(factory: _Factory, *, warmup: int, device: torch.device) -> _LiveSystem:
     """Build an instance and run its warm-up steps; what it then holds is its own memory."""
     before = _resident_mb(device)
     run = _as_run(factory())
@@ -261,7 +244,7 @@ def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, de
         if _is_context_object(run.context):
             raise TypeError("with blocks > 1 a Run's context is entered once per block: give a zero-argument callable "
                             f"returning a fresh context manager, not the context manager {run.context!r}")
-        with _context(run):
+        with _context_for(run):
             for _ in range(warmup):
                 run.step()
         after = _resident_mb(device)
@@ -269,58 +252,60 @@ def _start(factory: Callable[[], Callable[[], object] | Run], *, warmup: int, de
         if run.teardown is not None:
             run.teardown()
         raise
-    return _Live(run, None if before is None or after is None else max(after - before, 0.0))
+    return _LiveSystem(run, None if before is None or after is None else max(after - before, 0.0))
 
 
-def _time_block(live: _Live, steps: int, device: torch.device, timer: Callable[[], float] | None,
+def _time_block(live: _LiveSystem, steps: int, device: torch.device, timer: _Timer | None,
                 origin_mb: float | None, held_by_others: float | None) -> None:
-    """Time ``steps`` steps of one live instance and update its peak memory.
-
-    The peak counts what a run alone would: the most memory in use during the block, over the
-    round's origin (CUDA: zero, an absolute figure; CPU: the resident set when the round began),
-    less what the round's other instances hold.
-    """
+    """Time ``steps`` steps of one instance; its peak is the block's top over the round's origin, less the others'."""
     base = None
     if device.type != "cuda":
         _reset_rss()  # trims the heap first, so the resident set is read after it
         base = _resident_mb(device)
-    run = live.run
-    with _context(run):
-        live.times += time_steps(run.step, iters=steps, warmup=0, device=device, timer=timer)
-    top = _block_top(device, base)
+    with _context_for(live.run):
+        live.times += time_steps(live.run.step, iters=steps, warmup=0, device=device, timer=timer)
+    top = _block_peak_mb(device, base)
     if top is None or held_by_others is None or origin_mb is None:
         return
     peak = max(top - origin_mb - held_by_others, 0.0)
     live.peak_mb = peak if live.peak_mb is None else max(live.peak_mb, peak)
 
 
-def _block_top(device: torch.device, base: float | None) -> float | None:
-    """The most memory in use since the block began: CUDA's peak allocated, or the CPU's resident set at its highest."""
+def _block_peak_mb(device: torch.device, base: float | None) -> float | None:
+    """The most memory in use since the block began: CUDA's peak allocated, or the CPU resident set's highest."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20  # time_steps restarted the counter
     growth = peak_mb(device)
     return None if growth is None or base is None else base + growth
 
 
-def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: int, iters: int, warmup: int,
-                   blocks: int, device: torch.device, timer: Callable[[], float] | None,
-                   on_run: Callable[[int, str], None] | None) -> dict[str, tuple[float, float | None] | str]:
-    """Build every system in ``order``, warm each up, then time them in ``blocks`` alternating blocks of steps.
+def _call_teardown(live: _LiveSystem) -> str | None:
+    """Run an instance's teardown; its error as text, so the others still get theirs."""
+    if live.run.teardown is None:
+        return None
+    try:
+        live.run.teardown()
+    except Exception as e:  # noqa: BLE001 - one failing teardown must not skip the others' or lose the results
+        return _error_text(e)
+    return None
 
-    Returns name -> (median step time, peak memory), or the error that stopped that system, as text.
-    """
+
+def _blocked_round(factories: Mapping[str, _Factory], order: list[str], *, r: int, iters: int, warmup: int,
+                   blocks: int, device: torch.device, timer: _Timer | None,
+                   on_run: Callable[[int, str], None] | None) -> dict[str, _RoundResult]:
+    """Build and warm up every system in ``order``, then time them in ``blocks`` alternating blocks of steps."""
     reset_memory(device)
     origin = 0.0 if device.type == "cuda" else _resident_mb(device)
-    live: dict[str, _Live] = {}
-    out: dict[str, tuple[float, float | None] | str] = {}
+    live: dict[str, _LiveSystem] = {}
+    out: dict[str, _RoundResult] = {}
     try:
         for name in order:
             if on_run is not None:
                 on_run(r, name)
             try:
-                live[name] = _start(factories[name], warmup=warmup, device=device)
+                live[name] = _build_and_warm_up(factories[name], warmup=warmup, device=device)
             except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
-                out[name] = _error(e)
+                out[name] = _error_text(e)
         for b in range(blocks):
             steps = iters // blocks + (b < iters % blocks)
             names = [n for n in order if n in live]
@@ -329,72 +314,36 @@ def _blocked_round(factories: Mapping[str, Callable], order: list[str], *, r: in
                 try:
                     _time_block(live[name], steps, device, timer, origin, None if None in others else sum(others))
                 except Exception as e:  # noqa: BLE001 - as above
-                    out[name] = _error(e)
-                    _teardown(live.pop(name))  # the step's error is the one to report
+                    out[name] = _error_text(e)
+                    _call_teardown(live.pop(name))  # the step's error is the one to report
         out.update({name: (statistics.median(x.times), x.peak_mb) for name, x in live.items()})
         return out
     finally:
         for name, x in live.items():
-            failed = _teardown(x)
+            failed = _call_teardown(x)
             if failed is not None:
                 out[name] = failed
 
 
-def _error(e: Exception) -> str:
-    """The error as text: keeping the exception would keep its traceback's frames, and the failed instance, alive."""
-    return f"{type(e).__name__}: {e}"
+def _record_round(m: Measurement, got: _RoundResult) -> None:
+    """Add one round's result, or its error, to a measurement."""
+    if isinstance(got, str):
+        m.error = got
+        return
+    ms, peak = got
+    m.rounds_ms.append(ms)
+    if peak is not None:
+        m.peak_mb = peak if m.peak_mb is None else max(m.peak_mb, peak)
 
 
-def _teardown(live: _Live) -> str | None:
-    """Call a live instance's teardown, if it has one; its error as text, so the others still get theirs."""
-    if live.run.teardown is None:
-        return None
-    try:
-        live.run.teardown()
-    except Exception as e:  # noqa: BLE001 - one failing teardown must not skip the others' or lose the results
-        return _error(e)
-    return None
+def count_errors(**counts: tuple[object, int]) -> list[str]:
+    """``name=value`` for each ``name=(value, minimum)`` that is not an int (bools aside) at or above its minimum."""
+    return [f"{name}={value!r}" for name, (value, low) in counts.items()
+            if isinstance(value, bool) or not isinstance(value, int) or value < low]
 
 
-def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]], *, rounds: int = 3, iters: int,
-                warmup: int, device: torch.device, timer: Callable[[], float] | None = None,
-                on_run: Callable[[int, str], None] | None = None, blocks: int = 1) -> dict[str, Measurement]:
-    """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated by the round.
-
-    Round ``r`` runs the systems in their given order rotated left by ``r`` (A B C, then B C A,
-    then C A B). With ``blocks=1`` each system runs alone: :func:`reset_memory`, its factory,
-    ``warmup`` + ``iters`` steps, then the next system. With ``blocks=k`` every system of the
-    round is built and warmed up first, and then their ``iters`` timed steps alternate in ``k``
-    blocks (block ``b`` rotated by ``b`` again), so systems compared side by side are timed
-    within a fraction of a second of each other: a host whose speed drifts from second to second
-    moves both alike. A system's peak memory is then the most memory in use during its blocks,
-    less what the round's other systems held after their warm-up; like a run alone, it counts
-    memory the process keeps for everyone (cuBLAS workspaces, say), from the second round on:
-    in the first, such memory is counted only for the system whose warm-up allocated it, so use
-    ``rounds >= 2`` where peaks matter. The round's figure is the median of the system's timed
-    steps. A system whose factory or step raises an ``Exception`` (out of memory, say) gets ``error``
-    set and is not run again; the others carry on.
-
-    Args:
-        systems: name -> zero-argument factory building a fresh model and optimizer and returning
-            a zero-argument step callable, or a :class:`Run`.
-        rounds: how many rounds.
-        iters: timed steps per system and round.
-        warmup: untimed steps per system and round, before the timed ones.
-        device: where the steps run.
-        timer: passed to :func:`time_steps` (tests inject a synthetic clock).
-        on_run: called as ``on_run(round_index, name)`` before each system is built, e.g. to show progress.
-        blocks: how many alternating blocks the timed steps of a round are split into; 1 runs the
-            systems one after the other. More blocks pair the systems more tightly in time, at the
-            cost of holding all of a round's systems in memory at once.
-
-    Returns:
-        name -> :class:`Measurement`, in the order of ``systems``.
-
-    Raises:
-        ValueError: a count is not a whole number, ``rounds`` or ``iters`` is below 1, ``warmup``
-            below 0 (below 1 with blocks), ``blocks`` below 1 or above ``iters``, or ``systems`` is empty.
-    """
+def _check_counts(rounds: int, iters: int, warmup: int, blocks: int, systems: Mapping) -> None:
+    """Refuse bad counts before any system is built."""
     counts = {"rounds": rounds, "iters": iters, "blocks": blocks, "warmup": warmup}
     if any(not isinstance(v, numbers.Integral) for v in counts.values()):
         raise ValueError(f"interleaved needs whole numbers; got {counts}")
@@ -404,6 +353,33 @@ def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]],
     if blocks > 1 and warmup < 1:
         raise ValueError("blocks > 1 needs warmup >= 1: what each system holds is read after its warm-up, before the "
                          "blocks, and memory it allocated only in its first timed step would count against the others")
+
+
+def interleaved(systems: Mapping[str, _Factory], *, rounds: int = 3, iters: int, warmup: int, device: torch.device,
+                timer: _Timer | None = None, on_run: Callable[[int, str], None] | None = None,
+                blocks: int = 1) -> dict[str, Measurement]:
+    """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated by the round.
+
+    Round ``r`` runs the systems rotated left by ``r`` (A B C, then B C A, ...). With ``blocks=1``
+    each system runs alone: :func:`reset_memory`, its factory, ``warmup`` + ``iters`` steps. With
+    ``blocks=k`` every system of the round is built and warmed up first, then their timed steps
+    alternate in ``k`` blocks (block ``b`` rotated by ``b``), so a host whose speed drifts moves
+    them alike, at the cost of holding them all in memory. A system's peak is then the most memory
+    in use during its blocks, less what the others held after their warm-up; memory the process
+    keeps for everyone (cuBLAS workspaces) counts for every system only from the second round on.
+    A system whose factory or step raises gets ``error`` set and is not run again.
+
+    Args:
+        systems: name -> zero-argument factory building a fresh model and optimizer and returning
+            a step callable or a :class:`Run`.
+        iters: timed steps per system and round; a round's figure is their median.
+        on_run: called as ``on_run(round_index, name)`` before each system is built.
+
+    Raises:
+        ValueError: a count is not a whole number, ``rounds`` or ``iters`` is below 1, ``warmup``
+            below 0 (below 1 with blocks), ``blocks`` below 1 or above ``iters``, or ``systems`` is empty.
+    """
+    _check_counts(rounds, iters, warmup, blocks, systems)
     names = list(systems)
     settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device)}
     if blocks > 1:
@@ -416,44 +392,21 @@ def interleaved(systems: Mapping[str, Callable[[], Callable[[], object] | Run]],
             measured = _blocked_round(systems, order, r=r, iters=iters, warmup=warmup, blocks=blocks, device=device,
                                       timer=timer, on_run=on_run) if order else {}
         else:
-            measured = {name: _solo(systems[name], r, name, iters, warmup, device, timer, on_run) for name in order}
+            measured = {}
+            for name in order:
+                if on_run is not None:
+                    on_run(r, name)
+                measured[name] = _run_alone(systems[name], iters=iters, warmup=warmup, device=device, timer=timer)
         for name, got in measured.items():
-            _book(results[name], got)
+            _record_round(results[name], got)
     reset_memory(device)  # let the last system's memory go before the caller goes on
     for m in results.values():
         m.memory_kind = memory_kind(device) if m.peak_mb is not None else "n/a"
     return results
 
 
-def _solo(factory: Callable[[], Callable[[], object] | Run], r: int, name: str, iters: int, warmup: int,
-          device: torch.device, timer: Callable[[], float] | None,
-          on_run: Callable[[int, str], None] | None) -> tuple[float, float | None] | str:
-    """One system alone for one round: (median, peak), or the error that stopped it, as text."""
-    if on_run is not None:
-        on_run(r, name)
-    try:
-        return _one_round(factory, iters=iters, warmup=warmup, device=device, timer=timer)
-    except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
-        return _error(e)
-
-
-def _book(m: Measurement, got: tuple[float, float | None] | str) -> None:
-    """Add one round's result (or its error) to a measurement."""
-    if isinstance(got, str):
-        m.error = got
-        return
-    ms, peak = got
-    m.rounds_ms.append(ms)
-    if peak is not None:
-        m.peak_mb = peak if m.peak_mb is None else max(m.peak_mb, peak)
-
-
 def paired_ratio(a, b) -> tuple[float, float, float]:
-    """(median, min, max) of ``a.rounds_ms[i] / b.rounds_ms[i]``: round i of both ran side by side in time.
-
-    Args:
-        a: a :class:`Measurement` (or anything with ``rounds_ms``), the numerator.
-        b: likewise, the denominator, from the same :func:`interleaved` call.
+    """(median, min, max) of ``a.rounds_ms[i] / b.rounds_ms[i]``, two measurements of one :func:`interleaved` call.
 
     Raises:
         ValueError: either has no rounds, or their round counts differ.
@@ -464,15 +417,11 @@ def paired_ratio(a, b) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-def _decimals(value: float) -> int:
-    return 1 if value >= 10 else 2 if value >= 1 else 3
-
-
 def format_time(m) -> str:
     """"10.71 ms [10.5-11.0]" (median over rounds [min-max]), with NOISY_MARK appended when noisy; "-" if unmeasured."""
     if m.median_ms is None:
         return "-"
-    d = _decimals(m.min_ms)
+    d = 1 if m.min_ms >= 10 else 2 if m.min_ms >= 1 else 3
     return f"{m.median_ms:.2f} ms [{m.min_ms:.{d}f}-{m.max_ms:.{d}f}]" + (NOISY_MARK if m.noisy else "")
 
 

@@ -1,9 +1,6 @@
-"""Choose a precision by measuring the candidates on the user's own model and batch.
+"""Choose a precision by measuring the candidates on the user's own model and batch: :func:`autotune`.
 
-The public entry point is :func:`precisionloop.autotune`. Candidates are timed with
-:func:`precisionloop.measure.interleaved` (fresh copies in rotating rounds) and trained with
-the same step engine the Trainer uses, with the optimizer ``optimizer_factory`` builds
-(the Trainer passes one like its own, already switched to a fused kernel where it did so).
+Candidates are timed with :func:`measure.interleaved` and trained with the Trainer's step engine.
 """
 
 from __future__ import annotations
@@ -43,18 +40,17 @@ class Candidate:
     """(field, value) pairs set on the policy, e.g. ``(("layers", ("blocks.0.fc1",)),)`` for FP8Policy."""
 
     def __post_init__(self) -> None:
-        # Hashable whatever the caller passed: lists become tuples.
+        # Lists become tuples, to stay hashable; bad settings fail here, not inside autotune's trials.
         options = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in self.options)
         object.__setattr__(self, "options", options)
-        # An unknown precision or a setting its policy lacks fails here, not inside autotune's trials.
         policy = get_policy(self.precision)
         known = {f.name for f in dataclasses.fields(policy) if f.init}
         unknown = sorted(k for k, _ in options if k not in known)
         if unknown:
             raise ValueError(f"Candidate({self.precision!r}) options {', '.join(unknown)}: its policy takes "
                              f"{', '.join(sorted(known))}")
-        dataclasses.replace(policy, **dict(options))  # the policy checks the values (ValueError)
-        compile_mode(self.compile, torch.device("cpu"))  # a mode torch does not know is refused here, not in a trial
+        dataclasses.replace(policy, **dict(options))  # the policy checks the values
+        compile_mode(self.compile, torch.device("cpu"))  # refuses a mode torch does not know
 
     def policy(self, device: torch.device) -> PrecisionPolicy:
         return dataclasses.replace(get_policy(self.precision, device), channels_last=self.channels_last, **dict(self.options))
@@ -75,7 +71,7 @@ class Candidate:
 
 
 def _option_text(value: Any) -> str:
-    """A setting for a label: a short tuple by its entries (layer names, kept classes), a long one by its length."""
+    """A setting for a label: a short tuple by its entries, a long one by its length."""
     if not isinstance(value, tuple):
         return str(value)
     if len(value) > 3:
@@ -130,12 +126,9 @@ class AutotuneResult:
 
 
 def default_candidates(model: nn.Module, device: str | torch.device | None = None, *, compile: bool = False) -> list[Candidate]:
-    """fp32, tf32, bf16 and fp16; with and without channels_last for conv models; compiled too if asked.
+    """fp32, tf32, bf16 and fp16 (tf32 and fp16 only on CUDA), both layouts for conv models, compiled too if asked.
 
-    On the CPU, tf32 (the same as fp32 there) and fp16 (very slow there) are left out. With
-    ``compile`` and where fp8 matmuls exist (CUDA compute capability 8.9+, torchao installed), a
-    compiled fp8 candidate is added; :func:`autotune` makes it concrete: FP8Policy's default layers,
-    every layer fp8 can take, and the layers it measures to gain.
+    With ``compile``, where fp8 matmuls exist, a compiled fp8 candidate that :func:`autotune` makes concrete.
     """
     device = resolve_device(device)
     precisions = tunable_precisions(device)
@@ -149,7 +142,7 @@ def default_candidates(model: nn.Module, device: str | torch.device | None = Non
 
 def _check_autotune_arguments(model: Any, optimizer_factory: Any, sample_batch: Any, steps: Any, warmup: Any,
                               rounds: Any, tolerance: Any) -> None:
-    """What a trial would otherwise reject for every candidate alike ("every candidate was rejected")."""
+    """Refuse what every trial would otherwise fail on alike."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(optimizer_factory):
@@ -159,9 +152,7 @@ def _check_autotune_arguments(model: Any, optimizer_factory: Any, sample_batch: 
             isinstance(sample_batch, (tuple, list, dict)) and not sample_batch):
         raise ValueError(f"sample_batch must be a batch as the Trainer takes it ((inputs, targets), or what your "
                          f"loss_for reads), got {sample_batch!r:.60}")
-    ints = (("steps", steps, 1), ("warmup", warmup, 0), ("rounds", rounds, 1))
-    bad = [f"{name}={value!r}" for name, value, low in ints if isinstance(value, bool) or not isinstance(value, int)
-           or value < low]
+    bad = measure.count_errors(steps=(steps, 1), warmup=(warmup, 0), rounds=(rounds, 1))
     if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not tolerance > 0:
         bad.append(f"tolerance={tolerance!r}")
     if bad:
@@ -200,28 +191,20 @@ def autotune(
 ) -> AutotuneResult:
     """Train copies of ``model`` for a few steps under each candidate and pick the fastest sound one.
 
-    Every candidate is timed in ``rounds`` interleaved rounds, a fresh copy of the model from
-    the same weights each round, the order of candidates rotated per round; its time is the
-    median over rounds, with the min-max spread. A candidate is rejected when it skips a
-    step, when its loss differs from the strict-fp32 run's at any step of the first round by
-    more than ``tolerance`` times the first loss, or when it fails. When candidates are
-    within each other's spread, the simpler one wins (eager over compiled, the policy's
-    default layout over the other), and the table says so. ``model`` itself is not touched.
+    Every candidate is timed in ``rounds`` interleaved rounds (:func:`measure.interleaved`), a fresh
+    copy of the model each round; its time is the median over rounds, with the min-max spread. A
+    candidate is rejected when it skips a step, fails, or when its loss at any step of the first
+    round differs from strict fp32's by more than ``tolerance`` times the first loss. Within each
+    other's spread, the simpler candidate wins (eager over compiled, the default layout over the
+    other). ``model`` itself is not touched.
 
     Args:
-        model: the model to tune for.
-        optimizer_factory: builds a fresh optimizer from parameters, e.g.
-            ``lambda params: torch.optim.AdamW(params, lr=1e-3)``.
+        optimizer_factory: builds a fresh optimizer from parameters, e.g. ``lambda p: torch.optim.AdamW(p)``.
         sample_batch: one real batch, as ``Trainer.step`` takes it.
         candidates: what to try; :func:`default_candidates` when None.
-        device: where to train; CUDA when available.
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
-        loss_for: instead of ``loss_fn``, ``loss_for(model)`` returns the loss function of a
-            batch on that model (the Trainer passes its ``compute_loss``, a subclass's too).
-        steps: timed steps per candidate and round.
-        warmup: untimed steps first (they count towards the loss comparison).
-        rounds: interleaved rounds per candidate.
-        tolerance: the largest loss gap to strict fp32 accepted, as a fraction of the first loss.
+        loss_for: instead of ``loss_fn``, ``loss_for(model)`` returns the loss of a batch on that model.
+        steps, warmup: timed and untimed steps per round; both count towards the loss comparison.
         verbose: print the table the choice was made from.
 
     Raises:
@@ -245,7 +228,8 @@ def autotune(
     wrong = [c for c in candidates if not isinstance(c, Candidate)]
     if wrong:
         raise ValueError(f"candidates must be Candidate objects (precisionloop.Candidate('bf16'), ...), got {wrong[0]!r}")
-    loss_for = loss_for or _plain_loss(loss_fn or nn.functional.cross_entropy)
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    loss_for = loss_for or (lambda model: lambda batch: loss_fn(model(batch[0]), batch[1]))
     rng = checkpoint.rng_state()  # trials reseed for equal dropout masks; the caller's RNG must not notice
     try:
         candidates, declined = _with_fp8_layers(candidates, model, sample_batch, loss_for, device, steps, warmup,
@@ -261,12 +245,12 @@ def autotune(
         timings = {c: timed[keys[c]] for c in trials}
     finally:
         checkpoint.set_rng_state(rng)
-    results = _judge(runs, trials, timings, tolerance)
-    accepted = [r for r in results if r.rejected is None and r.candidate in candidates]
+    results = [r for r in _judge(runs, trials, timings, tolerance) if r.candidate in candidates]  # reference if asked
+    accepted = [r for r in results if r.rejected is None]
     if not accepted:
-        raise RuntimeError(_all_rejected([r for r in results if r.candidate in candidates], tolerance, steps + warmup))
+        raise RuntimeError(_all_rejected(results, tolerance, steps + warmup))
     best = _choose(accepted, model, device)
-    outcome = AutotuneResult(best, best.policy(device), [r for r in results if r.candidate in candidates], tolerance)
+    outcome = AutotuneResult(best, best.policy(device), results, tolerance)
     log.info("autotune chose %s", best.label)
     if verbose:
         print(outcome)
@@ -275,15 +259,17 @@ def autotune(
 
 def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, loss_for, device: torch.device, steps: int,
                      warmup: int, rounds: int, say: Callable[[str], None]) -> tuple[list[Candidate], list[str]]:
-    """fp8 candidates made concrete, and why any fp8 candidate was declined.
+    """fp8 candidates made concrete (see :func:`_distinct_sets`), and why any fp8 candidate was declined.
 
-    Each fp8 candidate becomes up to three, one per distinct layer set: FP8Policy's default
-    layers, every layer fp8 can take, and the layers timed one by one to gain. All are timed in
-    the model beside the others: a layer timed alone misses what the compiled model fuses (the
-    casts of layers that share an input, or follow a LayerNorm), so the per-layer choice is not
-    always the fastest set.
+    The per-layer choice is not always the fastest set (a layer timed alone misses what the compiled
+    model fuses), so all sets are timed in the model.
     """
     out, declined = [], []
+
+    def decline(why: str) -> None:
+        declined.append(why)
+        say(f"autotune: {why}")
+
     for c in candidates:
         policy = c.policy(device)
         if not isinstance(policy, FP8Policy) or policy.layers is not None:
@@ -296,9 +282,8 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
             out.append(c)  # it will be rejected with that error; nothing to measure per layer
             continue
         if not every:
-            declined.append(f"{c.label} declined: no nn.Linear layer fp8 can take (both dimensions multiples of "
-                            f"{fp8.ALIGNMENT}, a plain nn.Linear registered under one name, not kept in fp32)")
-            say(f"autotune: {declined[-1]}")
+            decline(f"{c.label} declined: no nn.Linear layer fp8 can take (both dimensions multiples of "
+                    f"{fp8.ALIGNMENT}, a plain nn.Linear registered under one name, not kept in fp32)")
             continue
         trial = copy.deepcopy(model).to(device)
         choice = fp8_tuning.choose_fp8_layers(trial, to_device(batch, device, torch.contiguous_format),
@@ -313,18 +298,16 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
                                                          else "no layer could be timed (see the table)"))
         concrete = _distinct_sets(c, default, every, choice)
         if not concrete:
-            declined.append(f"{c.label} declined: every layer fp8 can take is called with no tokens on the sample batch")
-            say(f"autotune: {declined[-1]}")
+            decline(f"{c.label} declined: every layer fp8 can take is called with no tokens on the sample batch")
         out.extend(concrete)
     return out, declined
 
 
 def _distinct_sets(c: Candidate, default: tuple[str, ...], every: tuple[str, ...],
                    choice: fp8_tuning.Fp8Choice) -> list[Candidate]:
-    """One candidate per distinct, non-empty layer set: default layers, every layer, the per-layer choice.
+    """One candidate per distinct, non-empty layer set: default layers (``c`` itself if whole), every layer, the choice.
 
-    The default set is ``c`` itself unless a layer was dropped from it. A layer the sample batch
-    calls with no tokens is dropped from the first two sets: torchao cannot scale an empty input.
+    Layers called with no tokens are dropped from the first two: torchao cannot scale an empty input.
     """
     empty = {t.name for t in choice.table if t.shape is not None and 0 in t.shape.token_counts}
     usable_default = tuple(n for n in default if n not in empty)
@@ -340,10 +323,7 @@ def _distinct_sets(c: Candidate, default: tuple[str, ...], every: tuple[str, ...
 
 
 def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, str]]:
-    """(default layers, every convertible layer, {name: why not} for aligned Linears ``policy`` cannot convert).
-
-    The last are layers kept in fp32 and modules registered under two names: none is timed or converted.
-    """
+    """(default layers, every convertible layer, {name: why not} for aligned Linears kept in fp32 or named twice)."""
     kept = policy.kept_modules(model)
     every = fp8.eligible_layers(model)
     skip = {}
@@ -353,12 +333,6 @@ def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...
         elif name in every and fp32_modules.within(name, kept):
             skip[name] = "kept in fp32 (keep_fp32)"
     return tuple(policy.planned_layers(model)), tuple(n for n in every if n not in skip), skip
-
-
-def _plain_loss(loss_fn: Callable) -> Callable[[nn.Module], Callable[[Any], torch.Tensor]]:
-    def loss_for(model: nn.Module) -> Callable[[Any], torch.Tensor]:
-        return lambda batch: loss_fn(model(batch[0]), batch[1])
-    return loss_for
 
 
 class _Trial:
@@ -391,6 +365,7 @@ class _Trial:
 
 
 def _judge(runs: list[Candidate], trials: dict, timings: dict, tolerance: float) -> list[CandidateResult]:
+    """Each candidate's result against the strict-fp32 reference, ``runs[0]``."""
     reference = trials[runs[0]].losses
     results = []
     for c in runs:
@@ -412,24 +387,19 @@ def _judge(runs: list[Candidate], trials: dict, timings: dict, tolerance: float)
 
 
 def _all_rejected(results: list[CandidateResult], tolerance: float, steps: int) -> str:
-    """The error when no candidate is left: each one's reason, and a way out when only the loss drift stopped them."""
+    """Each candidate's reason, and a way out when only the loss drift stopped them."""
     lines = [f"  {r.candidate.label}: {r.rejected}" for r in results]
     if all(r.drift is not None and math.isfinite(r.drift) and r.rejected.startswith("loss drift") for r in results):
         closest = min(r.drift for r in results)
         lines.append(f"every candidate's loss parted from strict fp32's by more than tolerance={tolerance:g} of the "
                      f"first loss (the closest by {closest:.3g}) over {steps} steps on one sample batch. A model "
                      "that memorises its batch fast amplifies any rounding difference that way")
-        if closest <= 0.5:  # beyond, the losses differ too much to call it rounding
-            # 20% headroom: a rerun (other kernels) drifts a little differently
-            lines[-1] += (f"; if the curves both fall, raise tolerance (e.g. tolerance={_round_up(1.2 * closest):g}) "
+        if closest <= 0.5:  # beyond, the losses differ too much to call it rounding; 20% headroom for a rerun
+            magnitude = 10 ** math.floor(math.log10(1.2 * closest))  # the suggestion: rounded up to one digit
+            suggested = math.ceil(1.2 * closest / magnitude) * magnitude
+            lines[-1] += (f"; if the curves both fall, raise tolerance (e.g. tolerance={suggested:g}) "
                           "or time fewer steps, and pass the chosen policy to the Trainer")
     return "autotune: every candidate was rejected:\n" + "\n".join(lines)
-
-
-def _round_up(value: float) -> float:
-    """``value`` rounded up to one significant digit, for a suggestion: 0.217 -> 0.3."""
-    magnitude = 10 ** math.floor(math.log10(value))
-    return math.ceil(value / magnitude) * magnitude
 
 
 def _choose(accepted: list[CandidateResult], model: nn.Module, device: torch.device) -> Candidate:

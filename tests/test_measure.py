@@ -317,7 +317,7 @@ def test_blocks_count_memory_the_process_keeps_for_everyone_as_a_run_alone_would
     monkeypatch.setattr(measure, "reset_memory", lambda device: None)
     monkeypatch.setattr(measure, "time_steps", fake_time_steps)
     monkeypatch.setattr(measure, "_resident_mb", lambda device: mem["used"])
-    monkeypatch.setattr(measure, "_block_top", lambda device, base: mem["top"])
+    monkeypatch.setattr(measure, "_block_peak_mb", lambda device, base: mem["top"])
     result = interleaved({"a": system(100.0, 10.0), "b": system(300.0, 30.0)}, rounds=2, iters=2, warmup=1, blocks=2,
                          device=torch.device("cuda"))
     # Alone, a would peak at its 100 + 10 and b at 300 + 30, each plus the 64 MB workspace.
