@@ -3,6 +3,7 @@ Trainer's state assembled for saving and restored all or nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import numbers
@@ -52,14 +53,12 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    try:  # make the rename itself durable
+    with contextlib.suppress(OSError):  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except OSError:
-        pass
     return path
 
 

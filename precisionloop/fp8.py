@@ -114,13 +114,8 @@ def check_layers(model: nn.Module, layers: Iterable[str] | None) -> None:
 def convert(model: nn.Module, recipe: str, emulate: bool, layers: Iterable[str] | None) -> tuple[nn.Module, list[str]]:
     """Convert the chosen ``nn.Linear`` layers of ``model`` to fp8 training; returns the model and the names converted.
 
-    Modules kept in fp32 (``keep_fp32``), and everything inside them, are never converted.
-
-    Args:
-        model: the model, already on its device.
-        recipe: one of :data:`RECIPES`.
-        emulate: emulate the fp8 matmuls (any device; for tests).
-        layers: names as in ``model.named_modules()``; None for :func:`default_layers`.
+    ``layers`` are names as in ``model.named_modules()`` (None: :func:`default_layers`); ``emulate`` runs the
+    fp8 matmuls on any device (for tests). Modules kept in fp32, and everything inside them, are never converted.
 
     Raises:
         ValueError: torchao is missing, or a named layer is not an eligible ``nn.Linear`` of the model.
