@@ -346,7 +346,8 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, s
 def _refuse(source: str, what: str, problems: list[str]) -> None:
     """Raise a ValueError naming the first five of ``problems``, if any."""
     if problems:
-        raise ValueError(f"{source} {what}: {'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}; nothing was loaded")
+        more = " ..." if len(problems) > 5 else ""
+        raise ValueError(f"{source} {what}: {'; '.join(problems[:5])}{more}; nothing was loaded")
 
 
 def _model_problems(model: nn.Module, saved_model: dict) -> list[str]:
@@ -358,7 +359,8 @@ def _model_problems(model: nn.Module, saved_model: dict) -> list[str]:
     problems += [f"{k} has shape {list(saved[k].shape)}, the model {list(expected[k].shape)}"
                  for k in both if saved[k].shape != expected[k].shape]
     # torch would cast silently (an int64 weight truncated, fp64 rounded): another dtype is another run's tensor
-    return problems + [f"{k} is {saved[k].dtype}, the model's {expected[k].dtype}" for k in both if saved[k].dtype != expected[k].dtype]
+    return problems + [f"{k} is {saved[k].dtype}, the model's {expected[k].dtype}"
+                       for k in both if saved[k].dtype != expected[k].dtype]
 
 
 _COUNTERS = (("global_step", int), ("epoch", int), ("batch_in_epoch", int), ("consecutive_skips", int),

@@ -51,8 +51,8 @@ def check_device(device: torch.device, emulate: bool) -> None:
 def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = None) -> str | None:
     """Why ``linear`` cannot be converted to fp8 ("in_features 30 is not a multiple of 16"), or None if it can.
 
-    ``name`` is for the message. In and out features must be multiples of :data:`ALIGNMENT`; token counts (the weight gradient's inner
-    dimension), if given, need only be nonzero, as :func:`config` pads them.
+    ``name`` is for the message. In and out features must be multiples of :data:`ALIGNMENT`; token counts
+    (the weight gradient's inner dimension), if given, need only be nonzero, as :func:`config` pads them.
     """
     if not isinstance(linear, nn.Linear):
         return f"{name or '<root>'} is a {type(linear).__name__}, not an nn.Linear"
