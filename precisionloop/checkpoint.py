@@ -3,6 +3,7 @@ Trainer's state assembled for saving and restored all or nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import numbers
@@ -35,9 +36,8 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """Write ``obj`` with ``torch.save`` so that ``path`` holds either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The mode open() would give: an existing file keeps its own (and one open() may not write is refused,
-    # not replaced), a new one gets 0666 less the umask (mkstemp makes 0600). A symlink is replaced by the
-    # file, as before; its target is neither checked nor changed.
+    # The mode open() would give: an existing file keeps its own (one open() may not write is refused, not
+    # replaced), a new one 0666 less the umask (mkstemp makes 0600). A symlink is replaced, its target untouched.
     existing = path.lstat() if os.path.lexists(path) else None
     regular = existing is not None and stat.S_ISREG(existing.st_mode)
     if regular and not os.access(path, os.W_OK):
@@ -54,14 +54,12 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    try:  # make the rename itself durable
+    with contextlib.suppress(OSError):  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except OSError:
-        pass
     return path
 
 
@@ -100,48 +98,38 @@ def rng_state() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if np is not None:
-        np_state = np.random.get_state(legacy=False)
-        state["numpy"] = {
-            "bit_generator": np_state["bit_generator"],
-            "key": torch.from_numpy(np_state["state"]["key"].astype("int64")),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        }
+        s = np.random.get_state(legacy=False)
+        state["numpy"] = {"bit_generator": s["bit_generator"], "key": torch.from_numpy(s["state"]["key"].astype("int64")),
+                          "pos": int(s["state"]["pos"]), "has_gauss": int(s["has_gauss"]), "gauss": float(s["gauss"])}
     return state
 
 
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` captured."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    _set_cpu_rngs(state, torch.default_generator, random, None if np is None else np.random)
     if "cuda" in state and torch.cuda.is_available():
-        saved = state["cuda"][: torch.cuda.device_count()]
-        for index, s in enumerate(saved):
+        for index, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, index)
-    if "numpy" in state and np is not None:
-        np.random.set_state(_numpy_state(state["numpy"]))
 
 
-def _numpy_state(s: dict) -> dict:
-    """numpy's legacy RNG state from what :func:`rng_state` saved of it."""
-    return {"bit_generator": s["bit_generator"], "state": {"key": s["key"].numpy().astype(np.uint32), "pos": s["pos"]},
-            "has_gauss": s["has_gauss"], "gauss": s["gauss"]}
+def _set_cpu_rngs(state: dict, torch_rng: Any, python_rng: Any, numpy_rng: Any) -> None:
+    """Load ``state``'s torch, Python and numpy entries into these generators: the global ones, or fresh ones as a test."""
+    torch_rng.set_state(state["torch"])
+    version, internal, gauss = state["python"]
+    python_rng.setstate((version, tuple(internal), gauss))
+    if "numpy" in state and numpy_rng is not None:
+        s = state["numpy"]
+        key = s["key"].numpy().astype(np.uint32)
+        if key.shape != (624,) or not 0 <= s["pos"] <= 624:  # numpy does not check: the next draw would crash
+            raise ValueError("its numpy state has a key of other than 624 words or a position outside 0-624")
+        numpy_rng.set_state({"bit_generator": s["bit_generator"], "state": {"key": key, "pos": s["pos"]},
+                             "has_gauss": s["has_gauss"], "gauss": s["gauss"]})
 
 
 def _rng_problem(state: Any) -> str | None:
     """Why :func:`set_rng_state` would fail on ``state``, found by loading it into fresh generators; None if it would not."""
     try:
-        torch.Generator().set_state(state["torch"])
-        version, internal, gauss = state["python"]
-        random.Random().setstate((version, tuple(internal), gauss))
-        if "numpy" in state and np is not None:
-            numpy_state = _numpy_state(state["numpy"])
-            # numpy does not range-check pos: one past the key crashed the process at the next draw
-            if numpy_state["state"]["key"].shape != (624,) or not 0 <= numpy_state["state"]["pos"] <= 624:
-                return "its numpy state has a key of other than 624 words or a position outside 0-624"
-            np.random.RandomState().set_state(numpy_state)
+        _set_cpu_rngs(state, torch.Generator(), random.Random(), None if np is None else np.random.RandomState())
         cuda = state.get("cuda", [])
         if not isinstance(cuda, (list, tuple)) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
                                                             and t.dim() == 1 for t in cuda):
@@ -202,7 +190,7 @@ def _qualified(cls: type) -> str:
 _SKIP = object()
 
 
-def _plain_value(value: Any) -> Any:
+def _as_builtin(value: Any) -> Any:
     """``value`` as a builtin bool, int, float, str or None that ``weights_only`` loading takes, else ``_SKIP``."""
     if isinstance(value, enum.Enum):
         return _SKIP
@@ -219,19 +207,16 @@ def policy_options(policy: PrecisionPolicy) -> tuple[dict, list[str]]:
         if not field.init or not field.compare or field.name == "keep_fp32":
             continue
         value = getattr(policy, field.name)
-        plain = [_plain_value(v) for v in value] if isinstance(value, tuple) else _plain_value(value)
-        if plain is _SKIP or (isinstance(plain, list) and _SKIP in plain):
+        builtin = [_as_builtin(v) for v in value] if isinstance(value, tuple) else _as_builtin(value)
+        if builtin is _SKIP or (isinstance(builtin, list) and _SKIP in builtin):
             unrecorded.append(field.name)
         else:
-            options[field.name] = plain
+            options[field.name] = builtin
     return options, unrecorded
 
 
 def settings_differ(saved: dict, now: dict) -> bool:
-    """Whether a checkpoint's policy record and this one describe different policies of the same precision.
-
-    A checkpoint from before settings were recorded is compared by ``keep_fp32`` alone.
-    """
+    """Whether two policy records describe different policies of one precision (an old record: by ``keep_fp32``)."""
     return ((saved.get("keep_fp32") or []) != now["keep_fp32"]
             or any(key in saved and saved[key] != now[key] for key in ("options", "policy_class", "unrecorded")))
 
@@ -254,13 +239,11 @@ def precision_of(state: dict) -> str:
 def policy_from_record(state: dict, device: torch.device) -> PrecisionPolicy:
     """The policy a checkpoint (or :func:`policy_record`) was saved under, settings and ``keep_fp32`` included.
 
-    A ``keep_fp32`` class is found among the modules already imported (nothing is imported for a
-    checkpoint).
+    A ``keep_fp32`` class is looked up among the modules already imported; nothing is imported for a checkpoint.
 
     Raises:
-        ValueError: the policy cannot be rebuilt from the record: its precision or class is not the
-            precision table's, a setting was not recordable or is not the policy's, or a ``keep_fp32``
-            class is not found. Pass that policy to the Trainer instead.
+        ValueError: the record cannot rebuild the policy: a precision or class not the precision table's, a
+            setting not recordable or not the policy's, or a ``keep_fp32`` class not found.
     """
     where = "pass the policy it was saved under to the Trainer instead"
     try:
@@ -346,18 +329,7 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, s
     if scheduler is not None and saved_scheduler is not None and saved_scheduler != type(scheduler).__name__:
         raise ValueError(f"{source} holds the state of a {saved_scheduler} scheduler, but this Trainer's scheduler is a "
                          f"{type(scheduler).__name__}; nothing was loaded")
-    expected = {k: v for k, v in _dist.unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
-    saved = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
-    problems = [f"missing {k}" for k in expected if k not in saved]
-    problems += [f"unexpected {k}" for k in saved if k not in expected]
-    both = [k for k in expected if k in saved]
-    problems += [f"{k} has shape {list(saved[k].shape)}, the model {list(expected[k].shape)}"
-                 for k in both if saved[k].shape != expected[k].shape]
-    # torch would cast silently (an int64 weight truncated, fp64 rounded): another dtype is another run's tensor
-    problems += [f"{k} is {saved[k].dtype}, the model's {expected[k].dtype}" for k in both if saved[k].dtype != expected[k].dtype]
-    if problems:
-        raise ValueError(f"{source} does not fit this model: {'; '.join(problems[:5])}"
-                         f"{' ...' if len(problems) > 5 else ''}; nothing was loaded")
+    _refuse(source, "does not fit this model", _model_problems(model, state["model"]))
     saved_class = state.get("optimizer_class")
     if saved_class is not None and saved_class != type(optimizer).__name__:
         raise ValueError(f"{source} holds the state of a {saved_class} optimizer, but this Trainer's optimizer is a "
@@ -367,10 +339,28 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, s
     if saved_groups != groups:
         raise ValueError(f"{source} has optimizer parameter groups of sizes {saved_groups}, this optimizer "
                          f"{groups}; nothing was loaded")
-    problems = _optimizer_state_problems(model, optimizer, state["optimizer"])
+    _refuse(source, "holds optimizer state this optimizer cannot step with",
+            _optimizer_state_problems(model, optimizer, state["optimizer"]))
+
+
+def _refuse(source: str, what: str, problems: list[str]) -> None:
+    """Raise a ValueError naming the first five of ``problems``, if any."""
     if problems:
-        raise ValueError(f"{source} holds optimizer state this optimizer cannot step with: {'; '.join(problems[:5])}"
-                         f"{' ...' if len(problems) > 5 else ''}; nothing was loaded")
+        more = " ..." if len(problems) > 5 else ""
+        raise ValueError(f"{source} {what}: {'; '.join(problems[:5])}{more}; nothing was loaded")
+
+
+def _model_problems(model: nn.Module, saved_model: dict) -> list[str]:
+    """The saved tensors' names, shapes and dtypes against the model's."""
+    expected = {k: v for k, v in _dist.unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
+    saved = {k: v for k, v in saved_model.items() if isinstance(v, torch.Tensor)}
+    problems = [f"missing {k}" for k in expected if k not in saved] + [f"unexpected {k}" for k in saved if k not in expected]
+    both = [k for k in expected if k in saved]
+    problems += [f"{k} has shape {list(saved[k].shape)}, the model {list(expected[k].shape)}"
+                 for k in both if saved[k].shape != expected[k].shape]
+    # torch would cast silently (an int64 weight truncated, fp64 rounded): another dtype is another run's tensor
+    return problems + [f"{k} is {saved[k].dtype}, the model's {expected[k].dtype}"
+                       for k in both if saved[k].dtype != expected[k].dtype]
 
 
 _COUNTERS = (("global_step", int), ("epoch", int), ("batch_in_epoch", int), ("consecutive_skips", int),
@@ -406,9 +396,7 @@ def _check_layout(state: Any, source: str, stats_type: type | None, guard: Any) 
         if per_rank is not None and (not isinstance(per_rank, list) or any(_rng_problem(r) for r in per_rank)):
             problems.append("'rng_per_rank' is not a list of RNG states that restore")
         problems += _scaler_problems(state.get("scaler"), guard)
-    if problems:
-        raise ValueError(f"{source} is incomplete or damaged: {'; '.join(problems[:5])}"
-                         f"{' ...' if len(problems) > 5 else ''}; nothing was loaded")
+    _refuse(source, "is incomplete or damaged", problems)
 
 
 def _stats_problems(stats: dict, stats_type: type) -> list[str]:
@@ -426,24 +414,22 @@ def _scaler_problems(saved: Any, guard: Any) -> list[str]:
     if not saved or not isinstance(live, dict):
         return []  # nothing to load (a disabled scaler saves {}), or no scaler here (a precision change: load warns)
     if not isinstance(saved, dict) or not set(live) <= set(saved):
-        keys = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-        return [f"'scaler' is {keys}, not a scaler state with {sorted(live)}"]
+        return [f"'scaler' is {sorted(saved) if isinstance(saved, dict) else type(saved).__name__}, "
+                f"not a scaler state with {sorted(live)}"]
     return []
 
 
 def check_scaler(state: dict, guard: Any, source: str) -> None:
     """Refuse a saved scaler state that ``guard``'s scaler could not load (for a policy chosen from the checkpoint)."""
-    problems = _scaler_problems(state.get("scaler"), guard)
-    if problems:
-        raise ValueError(f"{source} is incomplete or damaged: {problems[0]}; nothing was loaded")
+    _refuse(source, "is incomplete or damaged", _scaler_problems(state.get("scaler"), guard))
 
 
 def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
     """Per-parameter state tensors whose shapes could not step the parameter, and hyperparameters of another kind.
 
     A tensor is compared with the live optimizer's state for it when there is one; otherwise, for torch's own
-    optimizers, it must broadcast to its parameter (Adafactor keeps a row and a column). Other optimizers may keep
-    state of any shape (preconditioners, quantised blocks), so only the live comparison applies to them.
+    optimizers, it must broadcast to its parameter (Adafactor keeps a row and a column). Other optimizers may
+    keep state of any shape (preconditioners, quantised blocks).
     """
     params = dict(_dist.unwrap(model).named_parameters())
     builtin = type(optimizer).__module__.startswith("torch.optim")
@@ -482,42 +468,40 @@ def _same_kind(saved: Any, live: Any) -> bool:
         return isinstance(saved, bool)
     if isinstance(live, torch.Tensor) and live.numel() != 1:
         return isinstance(saved, torch.Tensor) and saved.shape == live.shape
-    if isinstance(live, numbers.Real) or isinstance(live, torch.Tensor):
+    if isinstance(live, (numbers.Real, torch.Tensor)):
         return _is(saved, numbers.Real) or (isinstance(saved, torch.Tensor) and saved.numel() == 1)
     if isinstance(live, (tuple, list)):
         return isinstance(saved, (tuple, list)) and len(saved) == len(live)
-    if isinstance(live, str):
-        return isinstance(saved, str)
-    return True
+    return isinstance(saved, str) if isinstance(live, str) else True
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: str | None) -> tuple[dict, dict]:
     """The model's and optimizer's state in one layout whatever the run: parameter names, unsharded under FSDP2."""
-    # torch.distributed.checkpoint's helpers give that layout, so checkpoints move between one process,
-    # DDP and FSDP2. They initialise an empty optimizer with a zero-learning-rate step, which would
-    # change training (Adam's step count), so an optimizer with no state yet is written out here.
+    # torch.distributed.checkpoint's helpers give that layout, so checkpoints move between one process, DDP and
+    # FSDP2. They would initialise an empty optimizer with a zero-lr step (Adam's step count changes), so an
+    # optimizer with no state yet is written out here.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     full = distributed == "fsdp"
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     if optimizer.state:
-        return _plain(get_state_dict(model, optimizer, options=options))
+        return _unwrap_tensor_subclasses(get_state_dict(model, optimizer, options=options))
     names = {id(p): n for n, p in _dist.unwrap(model).named_parameters()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
-    return _plain(get_model_state_dict(model, options=options)), {"state": {}, "param_groups": groups}
+    return _unwrap_tensor_subclasses(get_model_state_dict(model, options=options)), {"state": {}, "param_groups": groups}
 
 
-def _plain(value: Any) -> Any:
+def _unwrap_tensor_subclasses(value: Any) -> Any:
     """``value`` (nested dicts, lists, tuples) with tensor subclasses replaced by the plain tensors they wrap.
 
-    A weight FSDP2 all-gathers in fp8 is torchao's wrapper subclass, and under one process FSDP2's
-    full state dict keeps it: saved as is, the checkpoint would load only where torchao is imported.
+    A weight FSDP2 all-gathers in fp8 is torchao's wrapper subclass, which FSDP2's full state dict keeps under
+    one process: saved as is, the checkpoint would load only where torchao is imported.
     """
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: _unwrap_tensor_subclasses(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+        return type(value)(_unwrap_tensor_subclasses(v) for v in value)
     from torch.distributed.tensor import DTensor
 
     if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, nn.Parameter) or isinstance(value, DTensor):
@@ -526,7 +510,7 @@ def _plain(value: Any) -> Any:
     for name in inner_names:  # the wrapped tensor: same shape and dtype as the wrapper
         inner = getattr(value, name)
         if isinstance(inner, torch.Tensor) and inner.shape == value.shape and inner.dtype == value.dtype:
-            return _plain(inner)
+            return _unwrap_tensor_subclasses(inner)
     raise ValueError(f"cannot save a {type(value).__name__} tensor as a plain tensor: no wrapped tensor of its shape")
 
 

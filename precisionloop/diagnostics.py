@@ -39,9 +39,7 @@ class UnderflowReport:
 
     def to_dict(self) -> dict:
         """A JSON-ready copy."""
-        d = dataclasses.asdict(self)
-        d["dtype"] = str(self.dtype).replace("torch.", "")
-        return d
+        return {**dataclasses.asdict(self), "dtype": str(self.dtype).replace("torch.", "")}
 
     def __str__(self) -> str:
         name = str(self.dtype).replace("torch.", "")
@@ -78,23 +76,19 @@ def gradient_underflow(
 ) -> UnderflowReport:
     """Count what casting the current gradients to ``dtype`` does, unscaled and times ``scale``.
 
-    Decided by the real cast, not a threshold: a value underflows when ``grad.to(dtype)``
-    is exactly 0. The counting stays on the gradients' device, with one transfer of the
-    per-parameter counts to the host at the end.
+    A value underflows when ``grad.to(dtype)`` is exactly 0 (the real cast, not a threshold). Counting stays
+    on the gradients' device; the per-parameter counts reach the host in one transfer.
 
     Args:
-        model: a module whose ``.grad`` fields are filled, or ``(name, tensor)`` pairs of gradients.
-        dtype: the reduced precision to test, usually ``torch.float16`` or ``torch.bfloat16``.
+        model: a module with ``.grad`` filled, or ``(name, gradient)`` pairs.
+        dtype: the precision to test, usually ``torch.float16`` or ``torch.bfloat16``.
         scale: the loss scale to test (a power of two keeps the fp32 product exact).
 
     Raises:
-        ValueError: ``dtype`` is not a floating-point torch dtype of 16 bits or more (fp8's
-            scaled formats are another question), ``scale`` is not a finite number > 0, or no
-            nonzero gradient exists.
+        ValueError: ``dtype`` is not a floating-point torch dtype of 16 bits or more, ``scale`` is not a
+            finite number > 0, or no nonzero gradient exists.
 
     Example:
-        >>> import torch
-        >>> from precisionloop.diagnostics import gradient_underflow
         >>> report = gradient_underflow([("w", torch.tensor([1e-9, 1e-3, 0.0]))])
         >>> report.nonzero, report.underflow, report.underflow_scaled
         (2, 0.5, 0.0)
@@ -110,47 +104,32 @@ def gradient_underflow(
         grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
     else:
         grads = [(n, g) for n, g in model if g is not None]
-    tiny = torch.finfo(dtype).smallest_normal
+    if not grads:
+        raise ValueError("no gradients to analyse: run backward() first")
+    tiny, device = torch.finfo(dtype).smallest_normal, grads[0][1].device
     names, counts, magnitudes = [], [], []
     for name, grad in grads:
         g = _compat.dense_values(grad).detach().float().reshape(-1)
         nonzero = g != 0
         cast = g.to(dtype)
         scaled = (g * scale).to(dtype)
-        counts.append(torch.stack([
-            nonzero.sum(),
-            (nonzero & (cast == 0)).sum(),
-            ((cast != 0) & (cast.abs() < tiny)).sum(),
-            (nonzero & (scaled == 0)).sum(),
-            (torch.isfinite(g) & torch.isinf(scaled)).sum(),
-        ]).to(grads[0][1].device))
-        magnitudes.append(g[nonzero].abs().to(grads[0][1].device))
+        counts.append(torch.stack([nonzero.sum(), (nonzero & (cast == 0)).sum(), ((cast != 0) & (cast.abs() < tiny)).sum(),
+                                   (nonzero & (scaled == 0)).sum(), (torch.isfinite(g) & torch.isinf(scaled)).sum()]).to(device))
+        magnitudes.append(g[nonzero].abs().to(device))
         names.append(name)
-    if not counts:
-        raise ValueError("no gradients to analyse: run backward() first")
     table = torch.stack(counts).tolist()
     total = [sum(col) for col in zip(*table)]
     if total[0] == 0:
         raise ValueError("every gradient value is zero: nothing to analyse")
     median = float(torch.cat(magnitudes).median())
-    return UnderflowReport(
-        dtype=dtype,
-        scale=float(scale),
-        nonzero=int(total[0]),
-        median_abs=median,
-        underflow=total[1] / total[0],
-        subnormal=total[2] / total[0],
-        underflow_scaled=total[3] / total[0],
-        overflow_scaled=total[4] / total[0],
-        by_parameter={n: ParameterUnderflow(int(row[0]), row[1] / row[0] if row[0] else 0.0) for n, row in zip(names, table)},
-    )
+    by_parameter = {n: ParameterUnderflow(int(row[0]), row[1] / row[0] if row[0] else 0.0) for n, row in zip(names, table)}
+    return UnderflowReport(dtype, float(scale), int(total[0]), median, *(t / total[0] for t in total[1:]), by_parameter)
 
 
 def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dict:
-    """The headline numbers of :func:`gradient_underflow` as a dict; all-zero or absent gradients give an empty record.
+    """The headline numbers of :func:`gradient_underflow`, which ``fit(underflow_every=N)`` keeps.
 
-    ``fit(underflow_every=N)`` keeps these: a step whose gradients are all zero is a
-    measurement with nothing in it (``nonzero`` 0, fractions None), not an error.
+    All-zero or absent gradients are a measurement with nothing in it (``nonzero`` 0, fractions None).
     """
     record = {"dtype": str(dtype).replace("torch.", ""), "scale": float(scale), "nonzero": 0,
               "median_abs": None, "underflow": None, "underflow_scaled": None}

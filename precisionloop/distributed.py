@@ -1,8 +1,7 @@
-"""torchrun support: process-group setup, DDP and FSDP2 wrapping under a precision policy, data sharding, full checkpoints.
+"""torchrun support: the process group, DDP and FSDP2 wrapping under a precision policy, data sharding.
 
-Everything here uses torch.distributed as it is; precisionloop adds only what the precision
-policy decides (FSDP2's MixedPrecisionPolicy, the sharded loss scaler) and the bookkeeping
-that makes one script run the same with one process or many.
+torch.distributed is used as it is; added are only what the policy decides (FSDP2's MixedPrecisionPolicy,
+the sharded loss scaler) and what makes one script run the same with one process or many.
 """
 
 from __future__ import annotations
@@ -26,12 +25,16 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "ddp", "fsdp", None)
 
 
+def _initialised() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _initialised() else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _initialised() else 0
 
 
 def is_main() -> bool:
@@ -43,9 +46,7 @@ def _launched() -> bool:
 
 
 def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, torch.device | None]:
-    """Decide whether to distribute, initialise the process group if needed, and pick the device.
-
-    Returns the effective mode ("ddp", "fsdp" or None) and the device (None: the caller's default).
+    """The effective mode ("ddp", "fsdp" or None) and device (None: the caller's default); starts the group if needed.
 
     Raises:
         ValueError: an unknown mode, or "ddp"/"fsdp" outside torchrun with no process group.
@@ -56,10 +57,9 @@ def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, 
         return None, device
     if device is not None and device.type == "cuda" and device.index is None and _launched():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))  # "cuda" means this rank's GPU
-    initialised = dist.is_available() and dist.is_initialized()
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    initialised = _initialised()
     if mode == "auto":
-        if not (env_world > 1 or (initialised and dist.get_world_size() > 1)):
+        if not (int(os.environ.get("WORLD_SIZE", "1")) > 1 or (initialised and dist.get_world_size() > 1)):
             return None, device
         mode = "ddp"
     if not initialised and not _launched():
@@ -67,33 +67,38 @@ def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, 
                          "process group; use distributed=None to train in one process")
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    if device is not None and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # a group the caller started: its current GPU
-    if device is not None and device.type == "cuda":
+    on_cuda = device is not None and device.type == "cuda"
+    if on_cuda:  # a bare "cuda" in a group the caller started is its current GPU
+        device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)  # before NCCL starts, so each rank owns its GPU
     if not initialised:
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        backend = "nccl" if on_cuda else "gloo"
         dist.init_process_group(backend)
         if dist.get_rank() == 0:
             log.info("initialised the %s process group over %d processes", backend, dist.get_world_size())
     return mode, device
 
 
-# torch's fused optimizer kernels that accept FSDP2's DTensor parameters. Seen on torch 2.11 (CUDA) and 2.14
-# (CPU): Adam and AdamW step; SGD and Adagrad raise "... does not have a sharding strategy registered".
+# torch's fused kernels that take FSDP2's DTensor parameters; SGD's and Adagrad's raise
+# "... does not have a sharding strategy registered".
 FSDP_FUSED = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _refuse_state(optimizer: torch.optim.Optimizer) -> None:
+    if optimizer.state:
+        raise ValueError("distributed='fsdp' replaces the parameters: build the Trainer before the optimizer has state")
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, mode: str | None) -> None:
     """Refuse, at construction, an optimizer FSDP2 cannot take: one with state, or a fused one its DTensors would crash.
 
     Raises:
-        ValueError: the optimizer has state (FSDP2 replaces the parameters); or naming the fused optimizer
-            and the fused optimizers that work.
+        ValueError: the optimizer has state, or is fused and not among :data:`FSDP_FUSED`.
     """
-    if mode == "fsdp" and optimizer.state:
-        raise ValueError("distributed='fsdp' replaces the parameters: build the Trainer before the optimizer has state")
-    if mode == "fsdp" and any(g.get("fused") for g in optimizer.param_groups) and type(optimizer) not in FSDP_FUSED:
+    if mode != "fsdp":
+        return
+    _refuse_state(optimizer)
+    if any(g.get("fused") for g in optimizer.param_groups) and type(optimizer) not in FSDP_FUSED:
         raise ValueError(
             f"distributed='fsdp' cannot run a fused {type(optimizer).__name__}: FSDP2 shards parameters into "
             "DTensors, and torch has no DTensor rule for its fused kernel. Fused Adam and AdamW work; for "
@@ -108,7 +113,7 @@ def may_fuse(optimizer: torch.optim.Optimizer, mode: str | None) -> bool:
 def is_wrapped(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(model, FSDPModule)
+    return isinstance(model, (nn.parallel.DistributedDataParallel, FSDPModule))
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -119,29 +124,21 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def wrap(model: nn.Module, mode: str, policy: PrecisionPolicy, device: torch.device, optimizer: torch.optim.Optimizer) -> nn.Module:
-    """DDP-wrap or FSDP2-shard ``model``; FSDP2 also repoints ``optimizer`` at the sharded parameters.
+    """DDP-wrap or FSDP2-shard ``model`` (one the user wrapped is returned as it is).
 
-    Under FSDP2, ``policy.prepare_sharding`` readies the model just before it is sharded.
-
-    Args:
-        model: the prepared model (a model the user wrapped is returned as it is).
-        mode: ``"ddp"`` or ``"fsdp"``.
-        policy: the precision policy: its compute dtype sets FSDP2's parameter dtype.
-        device: this rank's device.
-        optimizer: the optimizer over ``model``'s parameters, without state yet under FSDP2.
+    Under FSDP2, ``policy.prepare_sharding`` readies the model just before it is sharded, the policy's compute
+    dtype sets the parameter dtype, and ``optimizer`` is repointed at the sharded parameters by name.
 
     Raises:
-        ValueError: under FSDP2, the optimizer has state or holds a tensor that is not a parameter of
-            the model; or ``policy.prepare_sharding`` refuses the model. Nothing is sharded then.
+        ValueError: under FSDP2, before anything is sharded: the optimizer has state or holds a tensor that
+            is not a parameter of the model, ``prepare_sharding`` refuses the model or drops a name.
     """
     if is_wrapped(model):
         return model  # the user already chose how to distribute it
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if optimizer.state:
-        raise ValueError("distributed='fsdp' replaces the parameters: build the Trainer before the optimizer has state")
-    # The names of the parameters the optimizer holds, taken before prepare_sharding and fully_shard
-    # replace the Parameter objects: they repoint the optimizer afterwards.
+    _refuse_state(optimizer)
+    # Named before prepare_sharding and fully_shard replace the Parameter objects, to repoint the optimizer.
     names = {id(p): n for n, p in model.named_parameters()}
     held = [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
     if any(n is None for group in held for n in group):
@@ -165,15 +162,12 @@ def _shard(model: nn.Module, policy: PrecisionPolicy, device: torch.device) -> n
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    # On the Trainer's device: fully_shard's default mesh takes the machine's accelerator, so a CPU
-    # run on a host with a GPU would shard onto CUDA (and fail on a rank without a GPU of its own).
+    # The Trainer's device: fully_shard's default mesh takes the machine's accelerator, even for a CPU run.
     mesh = init_device_mesh(device.type, (world_size(),))
-
-    reduced = policy.compute_dtype if policy.compute_dtype != torch.float32 else None
-    # Parameters are cast to the policy's compute dtype for forward/backward; gradients reduce in fp32.
-    mp = MixedPrecisionPolicy(param_dtype=reduced, reduce_dtype=torch.float32)
-    # Batch/instance norms keep fp32 parameters, to match their fp32 running statistics (as autocast does),
-    # and so do the policy's keep_fp32 modules, which compute in fp32.
+    # Parameters in the compute dtype for forward and backward, gradients reduced in fp32.
+    mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype if policy.compute_dtype != torch.float32 else None,
+                              reduce_dtype=torch.float32)
+    # Batch norms keep fp32 parameters for their fp32 running statistics (as autocast does); keep_fp32 modules too.
     fp32_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for module in reversed(list(model.modules())):  # inner modules first: fully_shard goes bottom-up
         kept = fp32_modules.is_kept(module) or (_compat.is_batch_norm(module) and module.affine)
@@ -220,8 +214,7 @@ def average_gradients(model: nn.Module, params: list[nn.Parameter]) -> None:
 def adapt_guard(guard: GradientGuard, mode: str | None, device_type: str) -> GradientGuard:
     """Make a policy's gradient guard agree across ranks: FSDP's sharded scaler, or an all-reduced inf check.
 
-    Under DDP a GradScaler needs nothing more: every rank unscales the same all-reduced gradients.
-    """
+    Under DDP a GradScaler needs nothing more: every rank unscales the same all-reduced gradients."""
     if mode is None:
         return guard
     if isinstance(guard, ScalerGuard) and mode == "fsdp":
@@ -243,12 +236,10 @@ def shard_loader(loader: Any) -> Any:
     dist.broadcast_object_list(seed, src=0)  # every rank must shuffle with the same seed
     sampler = DistributedSampler(loader.dataset, shuffle=isinstance(loader.sampler, RandomSampler), seed=seed[0],
                                  drop_last=loader.drop_last)
-    return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
-    )
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
+                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                      persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False)
 
 
 def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:

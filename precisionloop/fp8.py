@@ -1,8 +1,8 @@
 """fp8 training through torchao: the requirements, and which ``nn.Linear`` layers to convert.
 
-torchao is an optional dependency (``pip install "precisionloop[fp8]"``); it is imported only
-when an fp8 policy prepares a model. Converted layers (torchao's ``Float8Linear``) keep the
-``weight``/``bias`` names of ``nn.Linear``, so checkpoints move between fp8 and bf16/fp32 runs.
+torchao is optional (``pip install "precisionloop[fp8]"``) and imported only when an fp8 policy prepares a
+model. torchao's ``Float8Linear`` keeps ``nn.Linear``'s ``weight``/``bias`` names, so checkpoints move between
+fp8 and bf16/fp32 runs.
 """
 
 from __future__ import annotations
@@ -25,18 +25,13 @@ __all__ = ["FP8Policy", "ALIGNMENT", "RECIPES", "require_torchao", "check_device
            "check_layers", "convert", "config", "is_float8_linear", "converted_layers", "check_unwrapped",
            "wrap_for_fp8_all_gather", "check_all_gather", "fp8_all_gather_layers", "precompute_scales"]
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-"""torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``)."""
-
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearConfig.from_recipe_name
 INSTALL = 'pip install "precisionloop[fp8]"'
+ALIGNMENT = 16  # torch._scaled_mm needs every dimension of both fp8 operands to be a multiple of this
 
 
 def require_torchao():
-    """The ``torchao.float8`` module.
-
-    Raises:
-        ValueError: torchao is not installed; the message names the extra that installs it.
-    """
+    """The ``torchao.float8`` module; a ValueError naming the extra that installs it when torchao is missing."""
     try:
         import torchao.float8 as float8
     except ImportError:
@@ -45,11 +40,7 @@ def require_torchao():
 
 
 def check_device(device: torch.device, emulate: bool) -> None:
-    """Raise unless ``device`` has fp8 matmuls (CUDA compute capability 8.9 or higher), or they are emulated.
-
-    Raises:
-        ValueError: naming the requirement and the device.
-    """
+    """Raise a ValueError unless ``device`` has fp8 matmuls (CUDA compute capability 8.9 or higher) or they are emulated."""
     if emulate:
         return
     hint = "; FP8Policy(emulate=True) emulates fp8 in fp32 (for tests: slow, and no memory saving)"
@@ -63,32 +54,18 @@ def check_device(device: torch.device, emulate: bool) -> None:
                          f"Use precision='bf16'{hint}")
 
 
-ALIGNMENT = 16
-"""torch._scaled_mm needs every dimension of both fp8 operands to be a multiple of this."""
-
-
 def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = None) -> str | None:
-    """Why ``linear`` cannot be converted to fp8, or None if it can.
+    """Why ``linear`` cannot be converted to fp8 ("in_features 30 is not a multiple of 16"), or None if it can.
 
-    torch._scaled_mm needs every dimension of its operands to be a multiple of 16. In and out
-    features must be; token counts (the weight gradient's inner dimension) are padded by
-    :func:`config`.
-
-    Args:
-        name: the layer's fully qualified name, for the message.
-        linear: the layer.
-        tokens: the token count(s) its inputs had (see :class:`LinearShape`); not checked if None.
-
-    Returns:
-        a short reason, such as "in_features 30 is not a multiple of 16", or None.
+    ``name`` is for the message. In and out features must be multiples of :data:`ALIGNMENT`; token counts
+    (the weight gradient's inner dimension), if given, need only be nonzero, as :func:`config` pads them.
     """
     if not isinstance(linear, nn.Linear):
         return f"{name or '<root>'} is a {type(linear).__name__}, not an nn.Linear"
     if is_float8_linear(linear):
         return "already fp8 (Float8Linear)"
-    # Conversion replaces the module with torchao's Float8Linear, built from the weight and bias alone:
-    # a subclass's own forward (MultiheadAttention's out_proj, a LoRA layer), a parametrization or a
-    # hook (weight_norm, pruning) would be lost, or the swap would fail half-way through the model.
+    # Float8Linear is built from the weight and bias alone: a subclass's forward (MultiheadAttention's
+    # out_proj, LoRA), a parametrization or a hook (weight_norm, pruning) would be lost.
     if type(linear) is not nn.Linear:
         return f"a {type(linear).__name__}, a subclass of nn.Linear whose own behaviour fp8's Float8Linear would drop"
     hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -100,10 +77,9 @@ def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = 
     for what, size in (("in_features", linear.in_features), ("out_features", linear.out_features)):
         if size % ALIGNMENT:
             return f"{what} {size} is not a multiple of {ALIGNMENT}"
-    counts = [tokens] if isinstance(tokens, int) else list(tokens or [])
-    if any(count == 0 for count in counts):
+    if any(count == 0 for count in ([tokens] if isinstance(tokens, int) else list(tokens or []))):
         return "no tokens: called on an empty input"
-    return None  # unaligned token counts are padded (see config)
+    return None
 
 
 def eligible_layers(model: nn.Module) -> tuple[str, ...]:
@@ -115,8 +91,7 @@ def eligible_layers(model: nn.Module) -> tuple[str, ...]:
 
 def default_layers(model: nn.Module) -> tuple[str, ...]:
     """Every eligible ``nn.Linear`` but the first and the last, which are the most sensitive (embedding-like input, logits)."""
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    inner = set(linears[1:-1])
+    inner = set([name for name, m in model.named_modules() if isinstance(m, nn.Linear)][1:-1])
     return tuple(name for name in eligible_layers(model) if name in inner)
 
 
@@ -129,20 +104,15 @@ def _names_of(model: nn.Module) -> dict[int, list[str]]:
 
 
 def check_layers(model: nn.Module, layers: Iterable[str] | None) -> None:
-    """Raise unless every named layer is an ``nn.Linear`` of ``model`` that fp8 kernels can take.
-
-    Raises:
-        ValueError: naming the layer and why.
-    """
+    """Raise a ValueError, naming the layer and why, unless every named layer is an ``nn.Linear`` fp8 can take."""
     modules = dict(model.named_modules(remove_duplicate=False))
     names = _names_of(model)
     for name in sorted(set(layers or ())):
         module = modules.get(name)
-        if module is not None and len(names[id(module)]) > 1:
-            # The conversion swaps the module under one name; the other would go on running it in bf16.
-            raise ValueError(f"FP8Policy layers: {name!r} cannot be converted to fp8 (the same module is also "
-                             f"registered as {', '.join(repr(n) for n in names[id(module)] if n != name)})")
-        why = "no such module" if module is None else eligible(name, module)
+        # The conversion swaps a module under one name; under another it would go on running in bf16.
+        others = [repr(n) for n in names[id(module)] if n != name] if module is not None else []
+        why = ("no such module" if module is None else f"the same module is also registered as {', '.join(others)}"
+               if others else eligible(name, module))
         if why:
             raise ValueError(f"FP8Policy layers: {name!r} cannot be converted to fp8 ({why})")
 
@@ -150,13 +120,8 @@ def check_layers(model: nn.Module, layers: Iterable[str] | None) -> None:
 def convert(model: nn.Module, recipe: str, emulate: bool, layers: Iterable[str] | None) -> tuple[nn.Module, list[str]]:
     """Convert the chosen ``nn.Linear`` layers of ``model`` to fp8 training; returns the model and the names converted.
 
-    Modules kept in fp32 (``keep_fp32``), and everything inside them, are never converted.
-
-    Args:
-        model: the model, already on its device.
-        recipe: one of :data:`RECIPES`.
-        emulate: emulate the fp8 matmuls (any device; for tests).
-        layers: the names (as in ``model.named_modules()``) to convert; None for :func:`default_layers`.
+    ``layers`` are names as in ``model.named_modules()`` (None: :func:`default_layers`); ``emulate`` runs the
+    fp8 matmuls on any device (for tests). Modules kept in fp32, and everything inside them, are never converted.
 
     Raises:
         ValueError: torchao is missing, or a named layer is not an eligible ``nn.Linear`` of the model.
@@ -179,11 +144,7 @@ def convert(model: nn.Module, recipe: str, emulate: bool, layers: Iterable[str] 
 
 
 def config(recipe: str, emulate: bool):
-    """torchao's ``Float8LinearConfig`` for ``recipe``, padding inner dimensions to multiples of 16.
-
-    Padding lets any token count through (the weight gradient's inner dimension is the number of
-    tokens, which a last partial batch or a ViT's 197 tokens would otherwise make unaligned).
-    """
+    """torchao's ``Float8LinearConfig`` for ``recipe``, padding inner dimensions (token counts) to multiples of 16."""
     float8 = require_torchao()
     names = [r.value for r in float8.Float8LinearRecipeName]
     if recipe not in names:  # torchao asserts instead, which python -O would skip
@@ -193,7 +154,7 @@ def config(recipe: str, emulate: bool):
 
 def is_float8_linear(module: nn.Module) -> bool:
     """Whether ``module`` is torchao's Float8Linear, sharded or not, without importing torchao."""
-    # By class name, through the MRO: FSDP2 swaps a sharded module's class for a subclass ("FSDPFloat8Linear").
+    # By name through the MRO: FSDP2 swaps a sharded module's class for a subclass ("FSDPFloat8Linear").
     return any(cls.__name__ == "Float8Linear" for cls in type(module).__mro__)
 
 
@@ -203,11 +164,7 @@ def converted_layers(model: nn.Module) -> list[str]:
 
 
 def check_unwrapped(model: nn.Module) -> None:
-    """Refuse a model the user already wrapped in DDP or FSDP2: it would be used as it is, without fp8.
-
-    Raises:
-        ValueError: saying to pass the plain model with ``distributed=``.
-    """
+    """Raise a ValueError for a model the user wrapped in DDP or FSDP2: it would be used as it is, without fp8."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, (nn.parallel.DistributedDataParallel, FSDPModule)):
@@ -218,21 +175,14 @@ def check_unwrapped(model: nn.Module) -> None:
 def wrap_for_fp8_all_gather(model: nn.Module) -> list[str]:
     """Make FSDP2 all-gather the converted layers' weights in fp8 instead of bf16; returns the layers' names.
 
-    Does to each converted layer what torchao's ``Float8Linear.from_float`` does with
-    ``enable_fsdp_float8_all_gather=True``: its weight becomes a new ``nn.Parameter`` over
-    ``WeightWithDynamicFloat8CastTensor``, whose FSDP2 hooks cast each shard to fp8 before the
-    all-gather, and its config says so. Call it just before ``fully_shard``. The old Parameter
-    objects leave the model, so an optimizer that holds them must be repointed (``distributed.wrap``
-    does, by parameter name). Weights already wrapped are left as they are.
-
-    Args:
-        model: the model, its layers already converted by :func:`convert`, not yet sharded.
+    As torchao's ``Float8Linear.from_float(enable_fsdp_float8_all_gather=True)``: each weight becomes a new
+    ``nn.Parameter`` over ``WeightWithDynamicFloat8CastTensor``, which casts each shard to fp8 before the
+    all-gather. Call it just before ``fully_shard``; an optimizer holding the old Parameters must be repointed
+    (``distributed.wrap`` does, by name). Weights already wrapped are left as they are.
 
     Raises:
-        ValueError: before any change: torchao is missing; a converted layer does not scale its weight
-            tensorwise (torchao's fp8 all-gather supports only the ``"tensorwise"`` recipe); or the weights
-            are on the CPU, where FSDP2 runs on gloo, which has no fp8 dtypes, and a layer has no bias; or a
-            weight is shared with a module that is not converted (see :func:`check_all_gather`).
+        ValueError: before any change: torchao is missing, a layer does not scale its weight tensorwise (the
+            only recipe torchao's fp8 all-gather takes), or :func:`check_all_gather` refuses.
     """
     require_torchao()
     from torchao.float8.config import ScalingGranularity, ScalingType
@@ -252,25 +202,18 @@ def wrap_for_fp8_all_gather(model: nn.Module) -> list[str]:
         m.config = dataclasses.replace(m.config, enable_fsdp_float8_all_gather=True)
         weight = m.weight
         if id(weight) not in wrapped:
-            cast = m.config.cast_config_weight
-            wrapped[id(weight)] = nn.Parameter(WeightWithDynamicFloat8CastTensor(weight, m.linear_mm_config,
-                                                                                 cast.target_dtype),
-                                               requires_grad=weight.requires_grad)
+            inner = WeightWithDynamicFloat8CastTensor(weight, m.linear_mm_config, m.config.cast_config_weight.target_dtype)
+            wrapped[id(weight)] = nn.Parameter(inner, requires_grad=weight.requires_grad)
         m.weight = wrapped[id(weight)]
     return [name for name, _ in layers]
 
 
 def check_all_gather(model: nn.Module, names: Iterable[str], device: torch.device) -> None:
-    """Raise unless FSDP2 can all-gather the weights of layers ``names`` of ``model`` in fp8 on ``device``.
-
-    Works before the layers are converted (the Trainer checks at construction, before any change)
-    and after (:func:`wrap_for_fp8_all_gather` checks again).
+    """Raise unless FSDP2 can all-gather the weights of layers ``names`` in fp8 on ``device``, converted yet or not.
 
     Raises:
-        ValueError: a layer's weight is shared with a module that is not among ``names`` (a tied
-            embedding and head, say): the fp8 all-gather gives each converted weight a new
-            Parameter, which would untie them. Or, on the CPU, where FSDP2 runs on gloo, a layer
-            has no bias (see below).
+        ValueError: a weight is shared with a module not among ``names`` (a tied embedding and head): the
+            new Parameter would untie them. Or, on the CPU (gloo), a layer has no bias.
     """
     modules = dict(model.named_modules())
     layers = [(name, modules[name]) for name in names if name in modules]
@@ -282,14 +225,11 @@ def check_all_gather(model: nn.Module, names: Iterable[str], device: torch.devic
                 owners.setdefault(id(p), []).append(owner_name or "<root>")
     tied = [(name, owners[id(m.weight)][0]) for name, m in layers if id(m.weight) in owners]
     if tied:
-        name, other = tied[0]
-        raise ValueError(f"layer {name!r} shares its weight with {other!r}, which is not converted to fp8; FSDP2's fp8 "
-                         "all-gather would untie them. Convert both (FP8Policy(layers=...)) or pass "
+        raise ValueError(f"layer {tied[0][0]!r} shares its weight with {tied[0][1]!r}, which is not converted to fp8; "
+                         "FSDP2's fp8 all-gather would untie them. Convert both (FP8Policy(layers=...)) or pass "
                          "FP8Policy(fsdp_float8_all_gather=False)")
-    # FSDP2 packs the all-gather inputs of one sharded module into one buffer: uint8 when their dtypes
-    # differ (an fp8 weight and a bias), but fp8 itself when a module holds fp8 weights only, and gloo
-    # (the CPU's backend) refuses fp8 tensors ("Invalid scalar type") at the first forward. A bias-free
-    # layer may be alone in its module, so it is refused here.
+    # FSDP2 packs one module's all-gather inputs into one buffer: uint8 for mixed dtypes (fp8 weight and bias),
+    # but fp8 for fp8 weights alone, which gloo refuses ("Invalid scalar type") at the first forward.
     bare = [name for name, m in layers if torch.device(device).type == "cpu" and m.bias is None]
     if bare:
         raise ValueError(f"fp8 all-gather on the CPU runs over gloo, which cannot all-gather fp8 tensors, and FSDP2 "

@@ -141,8 +141,8 @@ def fp8_bf16_all_gather(rank, out_dir):
     messages = []
     handler = logging.Handler()
     handler.emit = lambda r: messages.append(r.getMessage())
-    logging.getLogger("precisionloop.policy").addHandler(handler)
-    logging.getLogger("precisionloop.policy").setLevel(logging.INFO)
+    logging.getLogger("precisionloop.fp8").addHandler(handler)
+    logging.getLogger("precisionloop.fp8").setLevel(logging.INFO)
     for key, policy in (("rowwise", FP8Policy(emulate=True, layers=LAYERS, recipe="rowwise")),
                         ("off", FP8Policy(emulate=True, layers=LAYERS, fsdp_float8_all_gather=False))):
         messages.clear()

@@ -2,9 +2,9 @@
 
 Each case takes a good state saved after one step, damages one entry, and loads it into a Trainer that
 has taken three: a load that failed half-way would leave that Trainer with some of the older state.
-Found by a hostile probe: a state without "rng", "counters" or "stats" loaded the weights, the optimizer
-and the step count, then raised a KeyError; int64 weights were truncated into the model; an optimizer
-moment of the wrong shape, or an LR of "fast", failed at the next step instead of at the load.
+Without these checks a state lacking "rng", "counters" or "stats" loaded the weights, the optimizer and the
+step count, then raised a KeyError; int64 weights were truncated into the model; an optimizer moment of the
+wrong shape, or an LR of "fast", failed at the next step instead of at the load.
 """
 
 from __future__ import annotations
