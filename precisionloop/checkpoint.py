@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import logging
 import numbers
 import os
 import random
 import stat
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,12 @@ from torch import nn
 
 from . import distributed as _dist
 from . import fp32_modules
+from .checks import check_master_weights
 from .policy import PrecisionPolicy
 from .precisions import get_policy
+from .prepare import compile_mode
+
+log = logging.getLogger(__name__)
 
 FORMAT = "precisionloop-checkpoint"
 VERSION = 1
@@ -159,14 +165,9 @@ def trainer_state(trainer) -> dict:
         "optimizer_class": type(trainer.optimizer).__name__,
         "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
         "scheduler_class": type(trainer.scheduler).__name__ if trainer.scheduler is not None else None,
+        "scheduler_interval": trainer.scheduler_interval,
         "scaler": engine.guard.state_dict(),
-        "counters": {
-            "global_step": engine.global_step,
-            "epoch": loop.epoch,
-            "batch_in_epoch": loop.batch_in_epoch,
-            "consecutive_skips": engine.consecutive_skips,
-            "collapse_warned": engine.collapse_warned,
-        },
+        "counters": {**engine.counters(), "epoch": loop.epoch, "batch_in_epoch": loop.batch_in_epoch},
         "stats": dataclasses.asdict(engine.stats),
         "rng": rng,
         "rng_per_rank": _dist.gather_objects(rng) if engine.distributed else None,
@@ -287,6 +288,35 @@ def _find_class(name: str) -> type | None:
     return None
 
 
+def load_state(trainer, state: dict, source: str) -> None:
+    """:meth:`Trainer.load_state_dict`'s body: check, take the saved policy if autotune is pending, warn, restore."""
+    pending = trainer._autotune_compile is not None  # the policy comes from the checkpoint: its scaler is checked below
+    check_fits(trainer.model, trainer.optimizer, state, source, trainer.scheduler,
+               stats_type=type(trainer.engine.stats), guard=None if pending else trainer.engine.guard)
+    saved_interval = state.get("scheduler_interval")
+    if trainer.scheduler is not None and saved_interval not in (None, trainer.scheduler_interval):
+        raise ValueError(f"{source} was saved with scheduler_interval={saved_interval!r}, but this Trainer's is "
+                         f"{trainer.scheduler_interval!r}; build the Trainer as the saved run was; nothing was loaded")
+    if pending:
+        policy = policy_from_record(state, trainer.device)  # its settings too: fp8 layers, keep_fp32
+        mode = compile_mode(state.get("compile_mode"), trainer.device)  # as the saved run trained
+        policy.check_model(trainer.model, trainer.device)  # what can fail, before the model changes
+        check_master_weights(trainer.model, policy.name, policy.compute_dtype)
+        check_scaler(state, policy.make_guard(trainer.device.type), source)
+        trainer._configure(policy, mode)
+        trainer._autotune_compile = None
+        log.info("autotune skipped: resuming under the checkpoint's precision %s", trainer.policy.name)
+    saved, now = state.get("precision"), trainer.policy.name
+    if saved != now:
+        warnings.warn(f"{source} was saved under precision {saved!r} and is loaded under {now!r}; "
+                      "the loss-scaler state does not carry over between them", UserWarning, stacklevel=4)
+    elif settings_differ(state, policy_record(trainer.policy)):
+        warnings.warn(f"{source} was saved under precision {precision_of(state)} and is loaded under "
+                      f"{precision_of(policy_record(trainer.policy))}; training goes on with this Trainer's settings",
+                      UserWarning, stacklevel=4)
+    restore_trainer(trainer, state)
+
+
 def restore_trainer(trainer, state: dict) -> None:
     """Load what :func:`trainer_state` returned into ``trainer``; call :func:`check_fits` first, so a misfit changes nothing."""
     engine, loop = trainer.engine, trainer.loop_state
@@ -297,14 +327,7 @@ def restore_trainer(trainer, state: dict) -> None:
         trainer.scheduler.load_state_dict(state["scheduler"])
     engine.guard.load_state_dict(state.get("scaler"))
     counters = state["counters"]
-    engine.global_step = counters["global_step"]
-    engine.consecutive_skips = counters["consecutive_skips"]
-    engine.collapse_warned = counters["collapse_warned"]
-    engine.stats = type(engine.stats)(**state["stats"])
-    engine.last_loss = None  # the replaced run's last loss (the progress bar's) is not this one's
-    engine.last_scale = engine.guard.scale_value()
-    if engine.last_scale is not None:
-        engine.stats.scale = engine.last_scale
+    engine.load_counters(counters, state["stats"])
     loop.epoch, loop.batch_in_epoch = counters["epoch"], counters["batch_in_epoch"]
     loop.rng_epoch_start = state.get("rng_epoch_start")
     per_rank = state.get("rng_per_rank")

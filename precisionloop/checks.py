@@ -12,8 +12,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["check_int", "check_flag", "check_real", "check_loader", "check_callbacks", "check_directory",
-           "check_trainer_arguments", "check_master_weights", "check_optimizer_params", "is_plateau"]
+__all__ = ["check_int", "check_flag", "check_real", "check_loader", "check_callbacks", "check_loggers", "check_directory",
+           "check_trainer_arguments", "check_scheduler_interval", "check_master_weights", "check_optimizer_params", "is_plateau"]
 
 
 def check_int(name: str, value: object, low: int) -> None:
@@ -35,7 +35,14 @@ def check_real(name: str, value: object, in_range: Callable[[float], bool], vali
 
 
 def check_loader(name: str, loader: Any) -> None:
-    """Raise unless ``loader`` iterates (through ``__iter__`` or, as Python allows, ``__getitem__``)."""
+    """Raise unless ``loader`` is an iterable of batches; a Dataset, or a list of tensors, is not one."""
+    if isinstance(loader, torch.utils.data.Dataset) and not isinstance(loader, torch.utils.data.IterableDataset):
+        raise ValueError(f"{name} is a {type(loader).__name__}, which holds single samples, not batches: wrap it as "
+                         f"DataLoader(dataset, batch_size=..., shuffle=...) from torch.utils.data")
+    if isinstance(loader, (list, tuple)) and loader and all(isinstance(item, torch.Tensor) for item in loader):
+        raise ValueError(f"{name} is a {type(loader).__name__} of tensors, which fit would take as one batch per "
+                         f"tensor; for (inputs, targets) tensors use DataLoader(TensorDataset(inputs, targets), "
+                         f"batch_size=...) from torch.utils.data, or pass a list of (inputs, targets) batches")
     if not (isinstance(loader, Iterable) or hasattr(type(loader), "__getitem__")) or isinstance(loader, (str, bytes)):
         raise ValueError(f"{name} must be an iterable of batches (a DataLoader, a list of batches, ...), "
                          f"got {type(loader).__name__}")
@@ -67,6 +74,17 @@ def check_callbacks(callbacks: Any) -> None:
                              "on_step_end(trainer, result) and/or an on_epoch_end(trainer, record) method")
 
 
+def check_loggers(loggers: Any) -> None:
+    """Raise unless ``loggers`` is a list or tuple of objects with a callable ``log_metrics(metrics, step)``."""
+    if not isinstance(loggers, (list, tuple)):
+        raise ValueError(f"loggers must be a list or tuple of loggers, got {type(loggers).__name__}")
+    for index, logger in enumerate(loggers):
+        if isinstance(logger, type) or not callable(getattr(logger, "log_metrics", None)):
+            what = f"the class {logger.__name__} (pass an instance)" if isinstance(logger, type) else repr(logger)[:80]
+            raise ValueError(f"loggers[{index}] is {what}; a logger is an object with a log_metrics(metrics, step) "
+                             "method, such as precisionloop.loggers.CSVLogger(path)")
+
+
 def check_directory(name: str, path: Any) -> None:
     """Raise unless ``path`` is a non-empty path to a directory or to nothing yet."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
@@ -80,7 +98,8 @@ def is_plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
-def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, *, grad_accum_steps: Any,
+def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, interval: Any, *,
+                            grad_accum_steps: Any,
                             max_grad_norm: Any, max_consecutive_skips: Any, **flags: Any) -> None:
     """The Trainer's arguments, each on its own, before anything looks at them together."""
     if not isinstance(model, nn.Module):
@@ -91,6 +110,9 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("LBFGS steps through a closure that re-evaluates the loss, which a guarded step cannot "
                          "skip; use another torch.optim optimizer")
+    if isinstance(loss_fn, type):
+        raise ValueError(f"loss_fn is the class {loss_fn.__name__}; pass an instance, such as "
+                         f"loss_fn={loss_fn.__name__}(), or a function (outputs, targets) -> scalar loss")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> loss tensor, such as "
                          f"torch.nn.functional.cross_entropy, or None for that default; got {loss_fn!r}")
@@ -98,12 +120,29 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
         raise ValueError(f"scheduler must be an LR scheduler instance built on the optimizer, got {scheduler!r}")
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError("scheduler drives a different optimizer than the one given to the Trainer")
+    check_scheduler_interval(scheduler, interval)
     check_int("grad_accum_steps", grad_accum_steps, 1)
     check_int("max_consecutive_skips", max_consecutive_skips, 1)
     if max_grad_norm is not None:
         check_real("max_grad_norm", max_grad_norm, lambda v: 0 < v < float("inf"), "a finite number > 0, or None")
     for name, value in flags.items():
         check_flag(name, value)
+
+
+def check_scheduler_interval(scheduler: Any, interval: Any) -> None:
+    """Raise unless a scheduler comes with ``scheduler_interval`` "step" or "epoch" (a ReduceLROnPlateau: "epoch" or None)."""
+    if interval is not None and interval not in ("step", "epoch"):
+        raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {interval!r}")
+    if scheduler is None:
+        if interval is not None:
+            raise ValueError(f"scheduler_interval={interval!r} was given without a scheduler")
+    elif is_plateau(scheduler):
+        if interval == "step":
+            raise ValueError("a ReduceLROnPlateau steps with the validation loss, which fit computes at each epoch's "
+                             "end: pass scheduler_interval='epoch' (or leave it out)")
+    elif interval is None:
+        raise ValueError(f"a scheduler ({type(scheduler).__name__}) needs scheduler_interval: 'step' steps it after "
+                         "every optimizer step taken, 'epoch' at the end of each epoch of fit")
 
 
 def check_master_weights(model: nn.Module, name: str, compute_dtype: torch.dtype) -> None:

@@ -25,7 +25,17 @@ from .guard import GradientGuard
 from .policy import PrecisionPolicy
 from .results import StepResult, TrainStats
 
-__all__ = ["StepEngine"]
+__all__ = ["StepEngine", "LossNotScalar"]
+
+
+class LossNotScalar(ValueError):
+    """The loss of a micro-batch is not a scalar tensor; raised before its backward."""
+
+    def __init__(self, loss: Any):
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        super().__init__(f"loss_fn (or compute_loss) returned {what}, not a scalar: reduce it to one number per "
+                         "batch, e.g. reduction='mean' (nn.CrossEntropyLoss(reduction='none') gives one per sample); "
+                         "nothing was changed")
 
 
 class _HostCopy:
@@ -103,6 +113,8 @@ class StepEngine:
                 if self.compile_mode is not None:
                     return self._compiled_step(batch)
                 return self._step(batch)
+        except LossNotScalar:
+            raise  # refused before its backward: the open window is as it was
         except BaseException:
             self.discard_window()
             raise
@@ -113,6 +125,8 @@ class StepEngine:
         with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
             with self.policy.autocast(self.device.type):
                 loss = self.compute_loss(batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise LossNotScalar(loss)
             scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
             self.guard.scale(scaled).backward()
         self.unsynced = bool(self.distributed) and not syncs
@@ -236,6 +250,21 @@ class StepEngine:
         self._count(values)
         self._pending = None  # counted: never counted again, even if what follows raises
         self._follow(values)
+
+    def counters(self) -> dict:
+        """The counters a checkpoint saves (``stats`` apart)."""
+        return {"global_step": self.global_step, "consecutive_skips": self.consecutive_skips,
+                "collapse_warned": self.collapse_warned}
+
+    def load_counters(self, counters: dict, stats: dict) -> None:
+        """Take a checkpoint's counters and stats; the loss scale is read from the guard, already loaded."""
+        self.global_step, self.consecutive_skips = counters["global_step"], counters["consecutive_skips"]
+        self.collapse_warned = counters["collapse_warned"]
+        self.stats = type(self.stats)(**stats)
+        self.last_loss = None  # the replaced run's last loss (the progress bar's) is not this one's
+        self.last_scale = self.guard.scale_value()
+        if self.last_scale is not None:
+            self.stats.scale = self.last_scale
 
     def discard_pending(self) -> None:
         """Forget the verdict not yet booked: a load replaces the counters, stats and scheduler it would change."""

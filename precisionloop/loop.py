@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from . import checkpoint, diagnostics
 from . import distributed as _dist
 from .batches import batch_size
-from .checks import check_callbacks, check_directory, check_flag, check_int, check_loader, is_plateau
+from .checks import check_callbacks, check_directory, check_flag, check_int, check_loader, check_loggers, is_plateau
 
 __all__ = ["LoopState", "FitOptions", "fit", "evaluate"]
 
@@ -52,6 +52,7 @@ class FitOptions:
     keep_last: int | None = None
     log_every: int = 20
     underflow_every: int | None = None
+    loggers: Sequence[Any] = ()
 
     def __post_init__(self) -> None:
         check_int("epochs", self.epochs, 0)
@@ -64,6 +65,7 @@ class FitOptions:
         if self.checkpoint_dir is not None and self.checkpoint_every is None:
             raise ValueError("checkpoint_dir is written every checkpoint_every optimizer steps: set checkpoint_every too")
         check_callbacks(self.callbacks)
+        check_loggers(self.loggers)
         if self.keep_last is not None and self.checkpoint_every is None:
             raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
         check_flag("progress", self.progress)
@@ -92,15 +94,20 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
     trainer.model.train()  # a model left in eval mode would train with frozen dropout and batch norms
     engine, state = trainer.engine, trainer.loop_state
     engine.probe = _underflow_probe(trainer, options.underflow_every) if options.underflow_every else None
-    history = []
+    history, warned = [], False
     try:
         while state.epoch < options.epochs and not options.reached(engine.global_step):
             record = _run_epoch(trainer, train_loader, options)
-            if record["complete"] and val_loader is not None:
+            # A run stopped by max_steps mid-epoch is validated too: its last record carries val_loss.
+            if val_loader is not None and (record["complete"] or options.reached(engine.global_step)):
                 record.update(validate(trainer, val_loader, metrics))
+            if record["complete"] and trainer.scheduler_interval == "epoch":
                 if is_plateau(trainer.scheduler):
                     trainer.scheduler.step(record["val_loss"])
+                else:
+                    trainer.scheduler.step()
             history.append(record)
+            warned = _log_epoch(record, options, trainer.global_step, warned)
             for cb in options.callbacks:
                 if hasattr(cb, "on_epoch_end"):
                     cb.on_epoch_end(trainer, record)
@@ -111,6 +118,30 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
         log.info("fit: %d optimizer steps, %d skipped (%.2f%%)%s", stats.steps, stats.skipped,
                  100 * stats.skipped / stats.steps, f", loss scale {stats.scale:g}" if stats.scale is not None else "")
     return history
+
+
+DATA_WARNING = 0.3
+"""The share of an epoch spent waiting for input above which ``fit`` warns (once a call)."""
+
+
+def _log_epoch(record: dict, options: FitOptions, step: int, warned: bool) -> bool:
+    """The epoch's record to the loggers (numbers only), and one warning a fit when the input bounds training.
+
+    Returns:
+        Whether that warning has been given in this fit.
+    """
+    if not _dist.is_main():
+        return warned
+    numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for logger in options.loggers:
+        logger.log_metrics(numbers, step)
+    if record["data_fraction"] > DATA_WARNING and not warned:
+        warned = True
+        log.warning("fit: %.0f%% of epoch %d waited for input, so the input pipeline, not the precision, bounds "
+                    "training. Try more DataLoader workers, moving images as uint8 and normalising them on the "
+                    "device, pin_memory on or off (measure both), or keeping a dataset that fits on the device",
+                    100 * record["data_fraction"], record["epoch"])
+    return warned
 
 
 def _start_epoch(trainer, loader: Iterable) -> tuple[Any, int]:
@@ -186,7 +217,7 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
         cleanup.callback(setattr, engine, "sync_next", False)
         held = trainer.policy
         flags.enter_context(held.backend_flags())
-        for batch in iterator:
+        while (batch := totals.next_batch(iterator)) is not _END:
             engine.sync_next = total is not None and state.batch_in_epoch + 1 == total
             result = _step(trainer, batch)
             if trainer.policy is not held:  # autotune chose another policy at the first step
@@ -197,14 +228,14 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
             if options.progress:
                 bar.update(1)
                 if totals.count % options.log_every == 0:
-                    bar.set_postfix(_postfix(engine), refresh=False)
-            if _after_step(trainer, result, options):
+                    bar.set_postfix(_postfix(engine, totals), refresh=False)
+            if _after_step(trainer, result, options, totals):
                 complete = total is not None and state.batch_in_epoch >= total  # stopped on the last batch
                 break
         else:
             result = _flush(trainer)
             if result is not None:
-                _after_step(trainer, result, options)
+                _after_step(trainer, result, options, totals)
     if complete:
         state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
     return totals.record(trainer, complete)
@@ -216,13 +247,17 @@ def _close_generator(iterator: Any, loader: Iterable) -> None:
         iterator.close()
 
 
-def _after_step(trainer, result, options: FitOptions) -> bool:
-    """Callbacks and periodic checkpoints after a micro-step; True when ``max_steps`` is reached."""
+def _after_step(trainer, result, options: FitOptions, totals) -> bool:
+    """Callbacks, loggers and periodic checkpoints after a micro-step; True when ``max_steps`` is reached."""
     for cb in options.callbacks:
         if hasattr(cb, "on_step_end"):
             cb.on_step_end(trainer, result)
     if not result.due:
         return False
+    if options.loggers and trainer.global_step % options.log_every == 0 and _dist.is_main():
+        metrics = totals.step_metrics(trainer)
+        for logger in options.loggers:
+            logger.log_metrics(metrics, trainer.global_step)
     if options.checkpoint_every is not None and trainer.global_step % options.checkpoint_every == 0:
         _periodic_save(trainer, Path(options.checkpoint_dir), options.keep_last)
     return options.reached(trainer.global_step)
@@ -232,11 +267,34 @@ class _EpochTotals:
     """An epoch's summed loss (on the device: no sync per step), its sample count and the counters at its start."""
 
     def __init__(self, trainer, skipped_before: int):
+        self.trainer = trainer
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
         self.count, self.samples = 0, 0
         self.steps_before, self.skipped_before = trainer.global_step, skipped_before
         self.measured_before = len(trainer.underflow_history)
         self.start = time.perf_counter()
+        self.data_s = 0.0  # blocked on the loader, and moving batches to the device
+        self.logged = (self.start, 0)  # when the loggers last wrote, and the samples by then
+
+    def next_batch(self, iterator: Any) -> Any:
+        """The next batch on the device (``_END`` at the end), timed on the host: no sync."""
+        began = time.perf_counter()
+        batch = next(iterator, _END)
+        if batch is not _END:
+            batch = self.trainer.to_device(batch)
+        self.data_s += time.perf_counter() - began
+        return batch
+
+    def step_metrics(self, trainer) -> dict:
+        """What the loggers get every ``log_every`` optimizer steps, from values already on the host."""
+        engine, now = trainer.engine, time.perf_counter()
+        since, samples = self.logged
+        self.logged = (now, self.samples)
+        metrics = {"loss": engine.last_loss, "lr": trainer.optimizer.param_groups[0]["lr"],
+                   "skipped": engine.stats.skipped, "samples_per_s": (self.samples - samples) / max(now - since, 1e-9)}
+        if engine.stats.scale is not None:
+            metrics["loss_scale"] = engine.stats.scale
+        return {k: v for k, v in metrics.items() if v is not None}
 
     def add(self, result, batch: Any) -> None:
         loss = result._loss
@@ -263,16 +321,19 @@ class _EpochTotals:
             "skipped": stats.skipped - self.skipped_before,
             "time_s": elapsed,
             "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
+            "data_s": self.data_s,
+            "data_fraction": self.data_s / elapsed if elapsed > 0 else 0.0,
             **{f"stats_{k}": v for k, v in dataclasses.asdict(stats).items()},
             **underflow,
         }
 
 
-def _postfix(engine) -> dict:
+def _postfix(engine, totals) -> dict:
     # From the last booked step: already on the host, so the bar costs no sync.
     postfix = {"loss": f"{engine.last_loss:.4g}" if engine.last_loss is not None else "-", "skipped": engine.stats.skipped}
     if engine.stats.scale is not None:
         postfix["scale"] = f"{engine.stats.scale:g}"
+    postfix["data"] = f"{totals.data_s / max(time.perf_counter() - totals.start, 1e-9):.0%}"
     return postfix
 
 

@@ -6,13 +6,13 @@ in :mod:`precisionloop.checkpoint` and the measuring in :mod:`precisionloop.tuni
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
 import os
-import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -40,6 +40,17 @@ _REMOVED = {
 }
 
 
+def _forwarded(owner: str, name: str, doc: str, settable: bool = True) -> property:
+    """A Trainer property that reads (and sets) ``self.<owner>.<name>``."""
+    def get(self):
+        return getattr(getattr(self, owner), name)
+
+    def set_(self, value) -> None:
+        setattr(getattr(self, owner), name, value)
+
+    return property(get, set_ if settable else None, doc=doc)
+
+
 class Trainer:
     """Trains a model with fp32 master weights under a precision policy.
 
@@ -49,12 +60,14 @@ class Trainer:
         precision: a spec for :func:`precisionloop.get_policy` or a policy instance.
         device: where to train; CUDA when available, else the CPU.
         loss_fn: ``loss_fn(outputs, targets)``; ``torch.nn.functional.cross_entropy`` by default.
-        scheduler: an LR scheduler, stepped only after optimizer steps that really happened. A
-            ``ReduceLROnPlateau`` is stepped by ``fit`` instead, with the validation loss.
-        grad_accum_steps: micro-batches per optimizer step.
-        max_grad_norm: clip the unscaled gradients to this total norm.
-        max_consecutive_skips: raise after this many skipped steps in a row (on CUDA the verdict
-            is read at the next optimizer step, so the error can come one step later).
+        scheduler: an LR scheduler built on ``optimizer``; ``scheduler_interval`` says when it steps.
+        scheduler_interval: ``"step"``: after every optimizer step really taken (skipped steps do not
+            count); ``"epoch"``: at the end of each epoch of ``fit`` (a loop of your own steps it
+            itself). Required with a scheduler; a ``ReduceLROnPlateau`` is always stepped by ``fit``
+            at each epoch's end with the validation loss.
+        grad_accum_steps: micro-batches per optimizer step; ``max_grad_norm``: clip the unscaled gradients to it.
+        max_consecutive_skips: raise after this many skipped steps in a row (on CUDA one step later:
+            the verdict is read at the next optimizer step).
         compile: ``torch.compile`` the model's forward and backward: ``True`` picks
             ``"reduce-overhead"`` (CUDA graphs) on CUDA and ``"default"`` elsewhere; a string
             names the mode. The optimizer step and the loss scaler stay eager.
@@ -85,14 +98,16 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                  precision: str | int | torch.dtype | PrecisionPolicy = "bf16", *,
                  device: str | torch.device | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 scheduler: Any = None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
+                 scheduler: Any = None, scheduler_interval: str | None = None, grad_accum_steps: int = 1,
+                 max_grad_norm: float | None = None,
                  max_consecutive_skips: int = 20, compile: bool | str = False, distributed: str | None = "auto",
                  autotune: bool = False, fuse_optimizer: bool = True, **removed: Any):
         for name in removed:
             if name not in _REMOVED:
                 raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}")
             raise ValueError(f"Trainer({name}=...): {_REMOVED[name]}")
-        checks.check_trainer_arguments(model, optimizer, loss_fn, scheduler, grad_accum_steps=grad_accum_steps,
+        checks.check_trainer_arguments(model, optimizer, loss_fn, scheduler, scheduler_interval,
+                                       grad_accum_steps=grad_accum_steps,
                                        max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips,
                                        autotune=autotune, fuse_optimizer=fuse_optimizer)
         if autotune and not (isinstance(precision, str) and precision.strip().lower() == "auto"):
@@ -111,6 +126,7 @@ class Trainer:
         _dist.check_optimizer(optimizer, self.distributed)
         mode = compile_mode(compile, self.device)
         self.optimizer, self.scheduler = optimizer, scheduler
+        self.scheduler_interval = "epoch" if checks.is_plateau(scheduler) else scheduler_interval
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
         self.loop_state = loop.LoopState()
@@ -119,7 +135,7 @@ class Trainer:
             log.info("%s runs its fused implementation, so a skipped step is decided on the device without a host "
                      "sync (fuse_optimizer=False keeps it as given)", type(optimizer).__name__)
         self.engine = StepEngine(self.model, optimizer, self.device, compute_loss=self.compute_loss,
-                                 scheduler=None if checks.is_plateau(scheduler) else scheduler,
+                                 scheduler=scheduler if self.scheduler_interval == "step" else None,
                                  grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
                                  max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
         self._autotune_compile = compile if autotune else None  # the choice waits for the first batch
@@ -218,14 +234,21 @@ class Trainer:
             return self.engine.step(self.to_device(batch))
 
     def flush(self) -> StepResult | None:
-        """Take the optimizer step for an incomplete accumulation window, if one is open.
+        """Take the optimizer step for an open accumulation window, its gradients averaged over its micro-batches.
 
-        The window's gradients are rescaled to the mean over the micro-batches it holds, as if the
-        accumulated batch had been smaller. The result's ``loss`` is NaN. As with ``step``, an
-        exception discards the window, so a retry never steps on it twice.
+        The result's ``loss`` is NaN. As with ``step``, an exception discards the window.
         """
         with self.policy.backend_flags():
             return self.engine.flush()
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """Run the block as the training step runs its forward: the policy's autocast and backend flags.
+
+        For your own evaluation or inference code; both are restored after the block.
+        """
+        with self.policy.backend_flags(), self.policy.autocast(self.device.type):
+            yield
 
     @property
     def stats(self) -> TrainStats:
@@ -242,37 +265,13 @@ class Trainer:
         """The loss scaler, or ``None`` when the policy needs none."""
         return self.engine.guard.scaler
 
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken or skipped."""
-        return self.engine.global_step
-
-    @global_step.setter
-    def global_step(self, value: int) -> None:
-        self.engine.global_step = value
-
-    @property
-    def epoch(self) -> int:
-        """Completed epochs."""
-        return self.loop_state.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self.loop_state.epoch = value
-
-    @property
-    def batch_in_epoch(self) -> int:
-        """Micro-batches consumed in the current epoch."""
-        return self.loop_state.batch_in_epoch
-
-    @batch_in_epoch.setter
-    def batch_in_epoch(self, value: int) -> None:
-        self.loop_state.batch_in_epoch = value
-
-    grad_accum_steps = property(lambda self: self.engine.grad_accum_steps, doc="Micro-batches per optimizer step.")
-    max_grad_norm = property(lambda self: self.engine.max_grad_norm, doc="The clipping norm, or None.")
-    max_consecutive_skips = property(lambda self: self.engine.max_consecutive_skips,
-                                     doc="Skipped optimizer steps in a row that raise.")
+    global_step = _forwarded("engine", "global_step", "Optimizer steps taken or skipped.")
+    epoch = _forwarded("loop_state", "epoch", "Completed epochs.")
+    batch_in_epoch = _forwarded("loop_state", "batch_in_epoch", "Micro-batches consumed in the current epoch.")
+    grad_accum_steps = _forwarded("engine", "grad_accum_steps", "Micro-batches per optimizer step.", settable=False)
+    max_grad_norm = _forwarded("engine", "max_grad_norm", "The clipping norm, or None.", settable=False)
+    max_consecutive_skips = _forwarded("engine", "max_consecutive_skips", "Skipped steps in a row that raise.",
+                                       settable=False)
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the device, 4-D float tensors in the model's layout."""
@@ -284,40 +283,36 @@ class Trainer:
             metrics: Mapping[str, Any] | None = None, max_steps: int | None = None, progress: bool = True,
             callbacks: Sequence[Any] = (), checkpoint_dir: str | os.PathLike | None = None,
             checkpoint_every: int | None = None, keep_last: int | None = None, log_every: int = 20,
-            underflow_every: int | None = None) -> list[dict]:
+            underflow_every: int | None = None, loggers: Sequence[Any] = ()) -> list[dict]:
         """Train until ``epochs`` epochs (counting restored ones) or ``max_steps`` optimizer steps.
 
-        The model is put in train mode. An incomplete accumulation window at an epoch's end is
-        stepped (see :meth:`flush`). A ``ReduceLROnPlateau`` is stepped with ``val_loss`` after
-        each epoch. If a step fails or is interrupted, its window is discarded and the next
-        ``fit`` replays it. The policy's backend flags hold for each epoch, callbacks included.
+        The model is put in train mode. An incomplete accumulation window at an epoch's end is stepped
+        (see :meth:`flush`); a ``ReduceLROnPlateau`` is stepped with ``val_loss`` after each epoch. A
+        step that fails or is interrupted discards its window, and the next ``fit`` replays it.
 
         Args:
             train_loader: an iterable of batches, usually a DataLoader.
             epochs: the total number of epochs, those restored from a checkpoint included.
-            val_loader: batches for validation after every epoch.
-            metrics: torchmetrics ``Metric`` objects by name, computed on ``val_loader``.
+            val_loader: batches for validation after every epoch; ``metrics``: torchmetrics by name, on it.
             max_steps: stop after this many optimizer steps in total.
-            progress: show a tqdm bar per epoch; ``False`` prints nothing.
-            callbacks: objects with optional ``on_step_end(trainer, result)`` and
-                ``on_epoch_end(trainer, record)`` methods.
-            checkpoint_dir: where periodic checkpoints go.
-            checkpoint_every: save ``step-NNNNNNNN.pt`` every this many optimizer steps.
-            keep_last: keep only the newest this many periodic checkpoints.
-            log_every: refresh the progress bar's loss (the last booked step's) every this many steps.
-            underflow_every: measure gradient underflow every this many optimizer steps
-                (see :mod:`precisionloop.diagnostics`); off by default.
+            progress: a tqdm bar per epoch, with the loss and the share of time spent waiting for input.
+            loggers: :mod:`precisionloop.loggers` (or any object with ``log_metrics(metrics, step)``), written
+                every ``log_every`` optimizer steps and at each epoch's end; ``log_every`` also paces the bar.
+            callbacks: objects with ``on_step_end(trainer, result)`` and/or ``on_epoch_end(trainer, record)``.
+            checkpoint_dir, checkpoint_every, keep_last: save ``step-NNNNNNNN.pt`` there every this many
+                optimizer steps, keeping the newest ``keep_last``.
+            underflow_every: measure gradient underflow every this many optimizer steps (:mod:`precisionloop.diagnostics`).
 
         Returns:
-            One dict per epoch run: ``epoch``, ``train_loss``, ``steps``, ``skipped``, ``time_s``,
-            ``samples_per_s``, ``complete``, the loss-scale counters, and ``val_loss`` plus each
-            metric under its name when ``val_loader`` is given.
+            One dict per epoch: ``epoch``, ``train_loss``, ``steps``, ``skipped``, ``time_s``, ``samples_per_s``,
+            ``data_s`` and ``data_fraction`` (time waiting for input and moving it), ``complete``, the loss-scale
+            counters, and ``val_loss`` and the metrics with ``val_loader``.
 
         Raises:
             ValueError: bad arguments, or a ReduceLROnPlateau without ``val_loader``.
         """
         options = loop.FitOptions(epochs, max_steps, progress, callbacks, checkpoint_dir, checkpoint_every,
-                                  keep_last, log_every, underflow_every)
+                                  keep_last, log_every, underflow_every, loggers)
         return loop.fit(self, train_loader, options, val_loader, metrics)
 
     def evaluate(self, loader: Iterable, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
@@ -333,8 +328,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: model, optimizer, scheduler, scaler, counters and RNGs.
 
-        As torch's ``state_dict``, it holds the live weight and optimizer tensors: ``copy.deepcopy``
-        it to keep a snapshot in memory.
+        It holds the live tensors, as torch's ``state_dict`` does: ``copy.deepcopy`` it for a snapshot.
 
         Raises:
             RuntimeError: an accumulation window is open (its gradients cannot be saved).
@@ -346,36 +340,15 @@ class Trainer:
         return checkpoint.trainer_state(self)
 
     def load_state_dict(self, state: dict, *, source: str = "the checkpoint") -> None:
-        """Restore what :meth:`state_dict` returned, including the RNG states; all or nothing.
+        """Restore what :meth:`state_dict` returned, RNG states included; all or nothing.
 
-        An open accumulation window is discarded. A Trainer still waiting to autotune takes the
-        checkpoint's policy instead: its precision, settings and ``keep_fp32``.
+        An open window is discarded; a Trainer still waiting to autotune takes the checkpoint's policy.
 
         Raises:
             ValueError: the state is not a Trainer state, is incomplete or damaged, or does not fit this
                 model or optimizer; nothing was changed.
         """
-        pending = self._autotune_compile is not None  # the policy comes from the checkpoint: its scaler is checked below
-        checkpoint.check_fits(self.model, self.optimizer, state, source, self.scheduler,
-                              stats_type=type(self.engine.stats), guard=None if pending else self.engine.guard)
-        if pending:
-            policy = checkpoint.policy_from_record(state, self.device)  # its settings too: fp8 layers, keep_fp32
-            mode = compile_mode(state.get("compile_mode"), self.device)  # as the saved run trained
-            policy.check_model(self.model, self.device)  # what can fail, before the model changes
-            checks.check_master_weights(self.model, policy.name, policy.compute_dtype)
-            checkpoint.check_scaler(state, policy.make_guard(self.device.type), source)
-            self._configure(policy, mode)
-            self._autotune_compile = None
-            log.info("autotune skipped: resuming under the checkpoint's precision %s", self.policy.name)
-        saved, now = state.get("precision"), self.policy.name
-        if saved != now:
-            warnings.warn(f"{source} was saved under precision {saved!r} and is loaded under {now!r}; "
-                          "the loss-scaler state does not carry over between them", UserWarning, stacklevel=3)
-        elif checkpoint.settings_differ(state, checkpoint.policy_record(self.policy)):
-            warnings.warn(f"{source} was saved under precision {checkpoint.precision_of(state)} and is loaded under "
-                          f"{checkpoint.precision_of(checkpoint.policy_record(self.policy))}; training goes on with "
-                          "this Trainer's settings", UserWarning, stacklevel=3)
-        checkpoint.restore_trainer(self, state)
+        checkpoint.load_state(self, state, source)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write a checkpoint atomically: ``path`` holds the old file or the whole new one, never half.

@@ -317,3 +317,66 @@ def test_gradient_underflow_refuses_what_is_not_a_dtype_or_a_scale(kwargs):
 
     with pytest.raises(ValueError, match="dtype must be|scale must be"):
         gradient_underflow([("w", torch.tensor([1e-9, 1e-3]))], **kwargs)
+
+
+# What a new user porting a script tries: refused before anything changes, with the fix named.
+
+def test_fit_refuses_a_dataset_and_names_the_dataloader():
+    from torch.utils.data import TensorDataset
+
+    trainer = _trainer()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=r"train_loader is a TensorDataset.*DataLoader\(dataset, batch_size="):
+        trainer.fit(TensorDataset(torch.randn(8, 4), torch.randint(0, 3, (8,))), progress=False)
+    with pytest.raises(ValueError, match=r"val_loader is a TensorDataset.*DataLoader"):
+        trainer.fit([(X, Y)], val_loader=TensorDataset(X, Y), progress=False)
+    assert trainer.global_step == 0 and all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), before))
+
+
+def test_fit_refuses_a_list_of_tensors_and_names_the_dataloader():
+    trainer = _trainer()
+    with pytest.raises(ValueError, match=r"list of tensors.*DataLoader\(TensorDataset\(inputs, targets\)"):
+        trainer.fit([X, Y], progress=False)
+    with pytest.raises(ValueError, match="tuple of tensors"):
+        trainer.evaluate((X, Y))
+    assert trainer.global_step == 0
+
+
+def test_a_loss_class_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"loss_fn is the class CrossEntropyLoss; pass an instance.*CrossEntropyLoss\(\)"):
+        _trainer(loss_fn=nn.CrossEntropyLoss)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_loss_that_is_not_a_scalar_is_refused_before_backward_with_the_window_kept(precision):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", grad_accum_steps=2,
+                      loss_fn=nn.CrossEntropyLoss(reduction="none"))
+    trainer.loss_fn = nn.CrossEntropyLoss()
+    trainer.step((X, Y))  # one micro-batch of the window
+    grads = [p.grad.clone() for p in model.parameters()]
+    weights = [p.detach().clone() for p in model.parameters()]
+    trainer.loss_fn = nn.CrossEntropyLoss(reduction="none")
+    with pytest.raises(ValueError, match=r"loss_fn .*returned a tensor of shape \(4,\), not a scalar"):
+        trainer.step((X, Y))
+    assert trainer.engine.micro == 1 and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    trainer.loss_fn = nn.CrossEntropyLoss()
+    assert trainer.step((X, Y)).stepped  # the window goes on
+
+
+def test_a_scheduler_without_an_interval_is_refused_naming_both_choices():
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"needs scheduler_interval: 'step' .* 'epoch'"):
+        Trainer(model, opt, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    with pytest.raises(ValueError, match="scheduler_interval must be 'step' or 'epoch', got 'batch'"):
+        Trainer(model, opt, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(opt, 1),
+                scheduler_interval="batch")
+    with pytest.raises(ValueError, match="without a scheduler"):
+        Trainer(model, opt, "fp32", device="cpu", scheduler_interval="step")
+    with pytest.raises(ValueError, match="ReduceLROnPlateau.*scheduler_interval='epoch'"):
+        Trainer(model, opt, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                scheduler_interval="step")
+    Trainer(model, opt, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))  # implied

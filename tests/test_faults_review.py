@@ -140,12 +140,14 @@ def test_fp16_step_interrupted_between_unscale_and_update_leaves_the_trainer_usa
 def test_a_checkpoint_of_another_scheduler_is_refused_before_anything_changes(tmp_path):
     a = tiny_mlp()
     opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
-    saver = Trainer(a, opt_a, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(opt_a, 1))
+    saver = Trainer(a, opt_a, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(opt_a, 1),
+                    scheduler_interval="step")
     saver.step(batches(1)[0])
     saver.save(tmp_path / "s.pt")
     b = tiny_mlp(seed=3)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
-    loader = Trainer(b, opt_b, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0))
+    loader = Trainer(b, opt_b, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0),
+                     scheduler_interval="step")
     before = _params(b)
     with pytest.raises(ValueError, match="StepLR.*LambdaLR"):
         loader.load(tmp_path / "s.pt")

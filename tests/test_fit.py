@@ -1,8 +1,11 @@
+import logging
+import math
 import os
 import random
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +54,7 @@ def make_trainer(precision, seed=0, **kwargs):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     policy = FP16Policy(growth_interval=4) if precision == "fp16" else precision
-    return Trainer(model, opt, policy, device="cpu", scheduler=sched, **kwargs)
+    return Trainer(model, opt, policy, device="cpu", scheduler=sched, scheduler_interval="step", **kwargs)
 
 
 def loader():
@@ -449,3 +452,155 @@ def test_a_failed_end_of_epoch_flush_is_replayed_by_the_next_fit(monkeypatch):
     trainer.fit(data, epochs=1, progress=False)
     assert trainer.global_step == ref.global_step == 3 and trainer.epoch == 1
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+
+
+# The scheduler's interval: "step" after every optimizer step taken, "epoch" at each epoch's end of fit.
+
+def _scheduled(interval, gamma=0.5):
+    model = dropout_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
+    return Trainer(model, opt, "fp32", device="cpu", scheduler=sched, scheduler_interval=interval)
+
+
+def test_an_epoch_scheduler_steps_once_per_epoch_of_fit():
+    trainer = _scheduled("epoch")
+    lrs = []
+
+    class Seen:
+        def on_step_end(self, trainer, result):
+            lrs.append(trainer.optimizer.param_groups[0]["lr"])
+
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=3, progress=False, callbacks=[Seen()])  # 10 steps an epoch
+    assert lrs == [1.0] * 10 + [0.5] * 10 + [0.25] * 10
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.125 and trainer.scheduler.last_epoch == 3
+
+
+def test_a_step_scheduler_steps_after_every_optimizer_step():
+    trainer = _scheduled("step")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False)
+    assert trainer.scheduler.last_epoch == 10 and trainer.optimizer.param_groups[0]["lr"] == 0.5 ** 10
+
+
+def test_an_epoch_scheduler_resumes_exactly_mid_epoch(tmp_path):
+    loader = DataLoader(dataset(), batch_size=4, shuffle=True)
+    torch.manual_seed(0)
+    full = _scheduled("epoch")
+    full.fit(loader, epochs=2, progress=False)
+    torch.manual_seed(0)
+    first = _scheduled("epoch")
+    first.fit(loader, epochs=2, max_steps=13, progress=False)  # stops in the second epoch
+    first.save(tmp_path / "mid.pt")
+    resumed = _scheduled("epoch")
+    resumed.load(tmp_path / "mid.pt")
+    resumed.fit(loader, epochs=2, progress=False)
+    assert resumed.scheduler.last_epoch == full.scheduler.last_epoch == 2
+    assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), full.model.parameters()))
+
+
+def test_a_checkpoint_keeps_its_scheduler_interval(tmp_path):
+    saved = _scheduled("epoch")
+    saved.save(tmp_path / "epoch.pt")
+    other = _scheduled("step")
+    before = [p.detach().clone() for p in other.model.parameters()]
+    with pytest.raises(ValueError, match="scheduler_interval='epoch'.*nothing was loaded"):
+        other.load(tmp_path / "epoch.pt")
+    assert all(torch.equal(p, q) for p, q in zip(other.model.parameters(), before))
+
+
+def test_fit_stopped_by_max_steps_mid_epoch_still_validates():
+    trainer = make_trainer("fp32")
+    records = []
+
+    class Needs:
+        def on_epoch_end(self, trainer, record):
+            records.append(record["val_loss"])  # a user's callback that reads it
+
+    history = trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=1, progress=False,
+                          val_loader=DataLoader(dataset(8), batch_size=4), callbacks=[Needs()])
+    assert not history[-1]["complete"] and math.isfinite(history[-1]["val_loss"]) and records
+
+
+# The input pipeline: how long fit waits for batches, and the loggers.
+
+class _SlowLoader:
+    """Batches that take ``delay`` seconds each to arrive, as from an overloaded DataLoader."""
+
+    def __init__(self, delay, n=6):
+        self.delay, self.data = delay, list(DataLoader(dataset(4 * n), batch_size=4))
+
+    def __len__(self):
+        return len(self.data)
+
+    def __iter__(self):
+        for batch in self.data:
+            time.sleep(self.delay)
+            yield batch
+
+
+def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
+    trainer = make_trainer("fp32")
+    with caplog.at_level(logging.WARNING, logger="precisionloop"):
+        history = trainer.fit(_SlowLoader(0.05), epochs=2, progress=False)
+    assert all(r["data_fraction"] > 0.5 and r["data_s"] >= 6 * 0.05 for r in history)
+    warnings_given = [r for r in caplog.records if "waited for input" in r.getMessage()]
+    assert len(warnings_given) == 1 and "not the precision" in warnings_given[0].getMessage()
+    assert "workers" in warnings_given[0].getMessage() and "uint8" in warnings_given[0].getMessage()
+
+
+def test_a_fast_loader_gets_a_small_data_fraction_and_no_warning(caplog):
+    trainer = make_trainer("fp32")
+    with caplog.at_level(logging.WARNING, logger="precisionloop"):
+        history = trainer.fit(_SlowLoader(0.0), epochs=1, progress=False)
+    assert history[0]["data_fraction"] < 0.3
+    assert not [r for r in caplog.records if "waited for input" in r.getMessage()]
+
+
+def test_the_csv_logger_writes_booked_values_every_n_steps_and_each_epoch(tmp_path):
+    import csv
+
+    from precisionloop.loggers import CSVLogger
+
+    trainer = make_trainer("fp16")
+    path = tmp_path / "logs" / "metrics.csv"
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=2, progress=False, log_every=4, loggers=[CSVLogger(path)],
+                val_loader=DataLoader(dataset(8), batch_size=4))
+    rows = list(csv.DictReader(path.open()))
+    header = list(rows[0])
+    assert header[0] == "step" and {"loss", "lr", "loss_scale", "skipped", "samples_per_s", "val_loss"} <= set(header)
+    step_rows = [r for r in rows if r["val_loss"] == ""]
+    epoch_rows = [r for r in rows if r["val_loss"] != ""]
+    assert [int(r["step"]) for r in step_rows] == [4, 8, 12, 16, 20]
+    assert [int(r["step"]) for r in epoch_rows] == [10, 20] and all(r["loss"] == "" for r in epoch_rows)
+    assert all(float(r["loss_scale"]) > 0 and float(r["samples_per_s"]) > 0 for r in step_rows)
+    assert float(epoch_rows[-1]["train_loss"]) > 0 and 0 <= float(epoch_rows[-1]["data_fraction"]) <= 1
+
+
+def test_a_logger_is_any_object_with_log_metrics_and_a_class_is_refused():
+    seen = []
+
+    class Mine:
+        def log_metrics(self, metrics, step):
+            seen.append((step, dict(metrics)))
+
+    trainer = make_trainer("bf16")
+    with pytest.raises(ValueError, match=r"loggers\[0\] is the class Mine \(pass an instance\)"):
+        trainer.fit(DataLoader(dataset(), batch_size=4), progress=False, loggers=[Mine])
+    trainer.fit(DataLoader(dataset(), batch_size=4), progress=False, loggers=[Mine()], log_every=5)
+    assert [s for s, m in seen if "lr" in m] == [5, 10] and "loss_scale" not in seen[0][1]
+    assert seen[-1][0] == 10 and "train_loss" in seen[-1][1]
+
+
+def test_the_tensorboard_logger_writes_scalars_or_names_its_extra(tmp_path):
+    from precisionloop.loggers import TensorBoardLogger
+
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"pip install \"precisionloop\[tensorboard\]\""):
+            TensorBoardLogger(tmp_path)
+        return
+    logger = TensorBoardLogger(tmp_path)
+    make_trainer("bf16").fit(DataLoader(dataset(), batch_size=4), progress=False, loggers=[logger], log_every=5)
+    logger.close()
+    assert list(tmp_path.glob("events.out.tfevents.*"))

@@ -78,7 +78,8 @@ def test_cuda_inf_skips_with_fused_and_foreach_adam(fused):
     model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if armed["on"] else g)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else True)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
-    trainer = Trainer(model, optimizer, FP16Policy(), device="cuda", scheduler=scheduler)
+    trainer = Trainer(model, optimizer, FP16Policy(), device="cuda", scheduler=scheduler,
+                      scheduler_interval="step" if scheduler is not None else None)
     data = batches(2)
     trainer.step(data[0])
     before = copy.deepcopy(model.state_dict())
@@ -135,7 +136,8 @@ def _fused_trainer_with_nans(scheduled: bool = False):
     model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")) if armed["on"] else g)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1 + k)) if scheduled else None
-    return model, armed, Trainer(model, optimizer, "bf16", device="cuda", scheduler=scheduler)
+    return model, armed, Trainer(model, optimizer, "bf16", device="cuda", scheduler=scheduler,
+                      scheduler_interval="step" if scheduler is not None else None)
 
 
 def _verdict_run(scheduled: bool, n: int = 40):

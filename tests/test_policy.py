@@ -282,3 +282,21 @@ def test_the_compiled_backward_setting_refuses_to_be_entered_twice_while_open():
             eager.__enter__()
     with eager:
         pass
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_trainer_autocast_runs_a_users_eval_loop_as_the_step_runs_its_forward(precision, dtype):
+    model = Probe()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu")
+    trainer.step(batches(1)[0])
+    in_step = model.seen[-1]
+    before = _flags()
+    model.eval()
+    with torch.no_grad(), trainer.autocast():
+        for x, _ in batches(2):
+            model(x)
+    assert model.seen[-1] == in_step and model.seen[-1]["out_dtype"] == dtype
+    assert _flags() == before and not torch.is_autocast_enabled("cpu")  # both restored after the block
+    with pytest.raises(KeyError), trainer.autocast():
+        raise KeyError("boom")
+    assert _flags() == before and not torch.is_autocast_enabled("cpu")

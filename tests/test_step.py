@@ -110,7 +110,7 @@ def test_injected_inf_skips_the_step(precision, fused):
     poison = Poison(model[0].weight)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    trainer = Trainer(model, optimizer, precision, device="cpu", scheduler=scheduler)
+    trainer = Trainer(model, optimizer, precision, device="cpu", scheduler=scheduler, scheduler_interval="step")
     data = batches(3)
     trainer.step(data[0])
     lr, scale = optimizer.param_groups[0]["lr"], trainer.scaler.get_scale() if trainer.scaler else None
@@ -257,7 +257,7 @@ def test_bad_input_at_construction():
             Trainer(model, opt, "fp32", **{"device": "cpu", **kwargs})
     other = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
     with pytest.raises(ValueError, match="scheduler"):
-        Trainer(model, opt, device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+        Trainer(model, opt, device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(other, 1), scheduler_interval="step")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -544,6 +544,7 @@ def test_a_deferred_scheduler_steps_before_the_next_update_and_only_for_steps_ta
     _, poison, trainer = _deferred(monkeypatch)
     optimizer = trainer.optimizer
     trainer.scheduler = trainer.engine.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    trainer.scheduler_interval = "step"
     lrs, stepped = [], 0
     for i, b in enumerate(batches(6)):
         poison.armed = i in (1, 2)
@@ -636,7 +637,7 @@ def test_an_interrupt_after_the_optimizer_update_still_counts_the_step_everywher
     model = tiny_mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: 0.5 ** e)
-    trainer = Trainer(model, optimizer, "bf16", device="cpu", scheduler=scheduler)
+    trainer = Trainer(model, optimizer, "bf16", device="cpu", scheduler=scheduler, scheduler_interval="step")
     _interrupt_once(monkeypatch, engine._HostCopy, "__init__", after=after)  # as the verdict starts to the host
     b = batches(1)[0]
     with pytest.raises(KeyboardInterrupt):
@@ -785,7 +786,8 @@ def test_the_policys_follow_up_runs_after_a_step_whose_booking_raised():
 
     model = tiny_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    trainer = Trainer(model, optimizer, "bf16", device="cpu", scheduler=Flaky(optimizer, lambda e: 1.0))
+    trainer = Trainer(model, optimizer, "bf16", device="cpu", scheduler=Flaky(optimizer, lambda e: 1.0),
+                      scheduler_interval="step")
     hooks = []
     trainer.engine.after_step = lambda: hooks.append(trainer.global_step)  # as a policy's optimizer_step_hook
     data = batches(3)
