@@ -7,8 +7,6 @@ in :mod:`precisionloop.checkpoint` and the measuring in :mod:`precisionloop.tuni
 from __future__ import annotations
 
 import contextlib
-import copy
-import inspect
 import logging
 import os
 from pathlib import Path
@@ -26,8 +24,7 @@ from .policy import PrecisionPolicy
 from .precisions import get_policy
 from .prepare import compile_mode, prepare_model
 from .results import StepResult, TrainStats
-from .tuning import autotune as _autotune
-from .tuning import default_candidates
+from .tuning import autotune_trainer
 
 __all__ = ["Trainer", "StepResult", "TrainStats"]
 
@@ -68,18 +65,14 @@ class Trainer:
         grad_accum_steps: micro-batches per optimizer step; ``max_grad_norm``: clip the unscaled gradients to it.
         max_consecutive_skips: raise after this many skipped steps in a row (on CUDA one step later:
             the verdict is read at the next optimizer step).
-        compile: ``torch.compile`` the model's forward and backward: ``True`` picks
-            ``"reduce-overhead"`` (CUDA graphs) on CUDA and ``"default"`` elsewhere; a string
-            names the mode. The optimizer step and the loss scaler stay eager.
-        distributed: under torchrun, ``"auto"`` (with several processes) and ``"ddp"`` wrap the
-            model in DistributedDataParallel, ``"fsdp"`` shards it with FSDP2; ``None`` never
-            distributes. A model you wrapped yourself is used as it is.
-        fuse_optimizer: on CUDA, a torch ``SGD``, ``Adam`` or ``AdamW`` built with its default
-            implementation runs its fused one, which skips on the device: no host sync per
-            step. ``False`` keeps it as given (each step then syncs once to decide a skip).
-        autotune: with ``precision="auto"``, the first ``step`` measures candidate precisions
-            with :func:`precisionloop.autotune` on copies of the model and trains with the
-            fastest sound one. Not with ``distributed``.
+        compile: ``torch.compile`` the forward and backward: ``True`` is ``"reduce-overhead"`` (CUDA graphs)
+            on CUDA and ``"default"`` elsewhere; a string names the mode. The optimizer step stays eager.
+        distributed: under torchrun, ``"auto"`` (several processes) and ``"ddp"`` wrap the model in DDP,
+            ``"fsdp"`` shards it with FSDP2, ``None`` never distributes; a model you wrapped is used as it is.
+        fuse_optimizer: on CUDA, a torch ``SGD``, ``Adam`` or ``AdamW`` at its default implementation runs
+            its fused one, which skips on the device without a host sync; ``False`` keeps it as given.
+        autotune: with ``precision="auto"``, the first ``step`` measures candidates with
+            :func:`precisionloop.autotune` on copies of the model and trains with the fastest sound one.
 
     Raises:
         ValueError: bad arguments, an optimizer that does not hold exactly the model's trainable
@@ -162,18 +155,10 @@ class Trainer:
         self.engine.configure(self.model, policy, guard, mode)
 
     def _run_autotune(self, batch: Any) -> None:
-        candidates = default_candidates(self.model, self.device, compile=self._autotune_compile not in (None, False))
-        result = _autotune(self.model, _trial_optimizer(self.optimizer, self.model), batch, candidates,
-                           device=self.device, loss_fn=self.loss_fn, loss_for=self._loss_for, verbose=self.is_main)
+        result = autotune_trainer(self, batch, compile=self._autotune_compile not in (None, False))
         self._autotune_compile = None
         self._configure(result.policy, compile_mode(result.best.compile, self.device))
         log.info("autotune: training with %s", result.best.label)
-
-    def _loss_for(self, model: nn.Module) -> Callable[[Any], torch.Tensor]:
-        """This Trainer's ``compute_loss`` (a subclass's too) on another model: autotune's trials run it."""
-        view = copy.copy(self)
-        view.model = model
-        return view.compute_loss
 
     @property
     def is_main(self) -> bool:
@@ -182,8 +167,6 @@ class Trainer:
 
     def __repr__(self) -> str:
         return f"Trainer(model={type(self.model).__name__}, device={self.device}, policy={self.policy!r})"
-
-    # Override points ---------------------------------------------------------------------------------
 
     def forward_batch(self, batch: Any) -> tuple[Any, Any]:
         """Run the model on one batch and return ``(outputs, targets)``; override for other batch shapes."""
@@ -203,21 +186,12 @@ class Trainer:
         # An overridden compute_loss defines the loss; metrics still need forward_batch's outputs.
         return (loss, *self.forward_batch(batch)) if need_outputs else (loss, None, None)
 
-    def _default_batch_shape(self) -> bool:
-        """Whether batches reach the default ``forward_batch`` (neither it nor ``compute_loss`` is overridden)."""
-        return (getattr(self.compute_loss, "__func__", None) is Trainer.compute_loss
-                and getattr(self.forward_batch, "__func__", None) is Trainer.forward_batch)
-
-    # The step ----------------------------------------------------------------------------------------
-
     def step(self, batch: Any) -> StepResult:
         """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.
 
-        The batch is moved to the device; the model's train or eval mode is left as it is.
-        With a fused optimizer no host sync happens here: the skip happens on the device, and
-        the step's verdict is booked at the next optimizer step (``trainer.stats`` books it
-        now). Gradients are enabled even under the caller's ``torch.no_grad()``. The policy's
-        backend flags are set for the step and the caller's restored after it.
+        It moves the batch to the device, enables grad, and leaves the model's train/eval mode and
+        the caller's backend flags as they were. With a fused optimizer it never syncs the host: the
+        verdict is booked at the next optimizer step (``trainer.stats`` books it now).
 
         Raises:
             ValueError: the batch is empty (nothing is changed).
@@ -226,8 +200,8 @@ class Trainer:
         """
         if batches.batch_size(batch) == 0:
             raise ValueError("the batch is empty (batch size 0): nothing to train on; nothing was changed")
-        if self._default_batch_shape():
-            batches.check_pair(batch)  # refused here, not in the step, which would drop an open window
+        if type(self).compute_loss is Trainer.compute_loss and type(self).forward_batch is Trainer.forward_batch:
+            batches.check_pair(batch)  # the default batch shape, refused here, not in the step (it drops the window)
         if self._autotune_compile is not None:
             self._run_autotune(batch)
         with self.policy.backend_flags():
@@ -277,8 +251,6 @@ class Trainer:
         """Move every tensor in a (nested) batch to the device, 4-D float tensors in the model's layout."""
         return batches.to_device(batch, self.device, self._input_format)
 
-    # The loop ----------------------------------------------------------------------------------------
-
     def fit(self, train_loader: Iterable, epochs: int = 1, *, val_loader: Iterable | None = None,
             metrics: Mapping[str, Any] | None = None, max_steps: int | None = None, progress: bool = True,
             callbacks: Sequence[Any] = (), checkpoint_dir: str | os.PathLike | None = None,
@@ -322,8 +294,6 @@ class Trainer:
             ``{"val_loss": mean loss, name: metric value, ...}``.
         """
         return loop.evaluate(self, loader, metrics)
-
-    # State -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: model, optimizer, scheduler, scaler, counters and RNGs.
@@ -372,16 +342,3 @@ class Trainer:
                 model or optimizer (then nothing is changed).
         """
         self.load_state_dict(checkpoint.read(path), source=f"checkpoint {path}")
-
-
-def _trial_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
-    """A factory for fresh optimizers like ``optimizer`` over a copy's parameters, per-group settings included."""
-    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        twin = {id(p): q for p, q in zip(model.parameters(), params)}  # the copy's parameters, in model order
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [twin[id(p)] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-        # Constructor arguments too (a custom optimizer may require lr), but only those it accepts:
-        # torch 2.14's AdamW keeps decoupled_weight_decay in its defaults yet refuses it as an argument.
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
-    return build

@@ -6,6 +6,7 @@ Candidates are timed with :func:`measure.interleaved` and trained with the Train
 from __future__ import annotations
 
 import copy
+import inspect
 import dataclasses
 import logging
 import math
@@ -24,7 +25,7 @@ from .policy import PrecisionPolicy
 from .precisions import get_policy
 from .prepare import compile_mode, prepare_model
 
-__all__ = ["autotune", "Candidate", "AutotuneResult", "CandidateResult", "default_candidates"]
+__all__ = ["autotune", "autotune_trainer", "Candidate", "AutotuneResult", "CandidateResult", "default_candidates"]
 
 log = logging.getLogger(__name__)
 
@@ -411,3 +412,28 @@ def _choose(accepted: list[CandidateResult], model: nn.Module, device: torch.dev
         chosen.note = f" (within the spread of {fastest.candidate.label}, and simpler)"
         fastest.note = f" (faster by median, but within {chosen.candidate.label}'s spread)"
     return chosen.candidate
+
+
+def autotune_trainer(trainer, batch: Any, compile: bool) -> AutotuneResult:
+    """:func:`autotune` for a Trainer waiting to choose: its model, optimizer's settings and loss (a subclass's too)."""
+    def loss_for(model: nn.Module) -> Callable[[Any], torch.Tensor]:
+        view = copy.copy(trainer)  # the Trainer's compute_loss (an override too) on the trial's model
+        view.model = model
+        return view.compute_loss
+
+    candidates = default_candidates(trainer.model, trainer.device, compile=compile)
+    return autotune(trainer.model, _trial_optimizer(trainer.optimizer, trainer.model), batch, candidates,
+                    device=trainer.device, loss_fn=trainer.loss_fn, loss_for=loss_for, verbose=trainer.is_main)
+
+
+def _trial_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    """A factory for fresh optimizers like ``optimizer`` over a copy's parameters, per-group settings included."""
+    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        twin = {id(p): q for p, q in zip(model.parameters(), params)}  # the copy's parameters, in model order
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [twin[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        # Constructor arguments too (a custom optimizer may require lr), but only those it accepts:
+        # torch 2.14's AdamW keeps decoupled_weight_decay in its defaults yet refuses it as an argument.
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"})
+    return build
