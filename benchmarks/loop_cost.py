@@ -52,7 +52,7 @@ class Config:
 
 
 DEFAULT_CONFIGS = [Config(32, "fused-sgd", False), Config(128, "fused-sgd", False), Config(32, "fused-sgd", True),
-                   Config(128, "adamw", False), Config(128, "sgd", False)]
+                   Config(128, "adamw", False), Config(128, "sgd", False), Config(128, "fused-sgd", True)]
 
 
 def _hand(config: Config, args) -> Run:
