@@ -54,7 +54,7 @@ def test_flush_steps_a_partial_window_as_its_mean():
 
 
 def test_late_unfrozen_parameter_is_clipped():
-    """Issue 15 item 5: max_grad_norm clips a late-added parameter's gradient too."""
+    """max_grad_norm clips a late-added parameter's gradient too."""
     m, t = unfrozen_late("fp32", max_grad_norm=0.01)
     ref = copy.deepcopy(m)
     result = t.step(B)

@@ -106,7 +106,7 @@ def test_trainer_autotune_needs_auto_precision():
 
 
 def test_dict_batch_subclass_autotune_runs_the_subclass():
-    """Issue 15 item 17: autotune trials run the subclass's forward_batch/compute_loss."""
+    """autotune trials run the subclass's forward_batch/compute_loss."""
     m = net()
     t = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), precision="auto", autotune=True, device="cpu")
     DictTrainer.calls = 0
@@ -115,7 +115,7 @@ def test_dict_batch_subclass_autotune_runs_the_subclass():
 
 
 def test_autotune_with_adamw():
-    """Issue 15 item 18: autotune works with torch's AdamW (its defaults are not all constructor kwargs)."""
+    """autotune works with torch's AdamW (its defaults are not all constructor kwargs)."""
     m = net()
     t = Trainer(m, torch.optim.AdamW(m.parameters(), lr=1e-3), precision="auto", autotune=True, device="cpu")
     assert t.step(B).stepped
@@ -123,7 +123,7 @@ def test_autotune_with_adamw():
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
 def test_autotune_keeps_per_group_settings(opt_cls):
-    """Issue 15 item 18: autotune trials keep the optimizer's per-group settings (two groups, two lrs)."""
+    """autotune trials keep the optimizer's per-group settings (two groups, two lrs)."""
     m = net()
     groups = [{"params": m[0].parameters(), "lr": 1e-3}, {"params": m[3].parameters(), "lr": 1e-2}]
     opt = opt_cls(groups, lr=1e-3)
@@ -152,7 +152,7 @@ class FlagProbe(nn.Module):
 
 
 def test_validation_after_autotune_runs_under_the_chosen_flags():
-    """Issue 15 item 19: validation in the fit that autotuned runs under the chosen policy's backend flags."""
+    """Validation in the fit that autotuned runs under the chosen policy's backend flags."""
     torch.manual_seed(0)
     probe = FlagProbe()
     m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), probe, nn.Linear(16, 3))

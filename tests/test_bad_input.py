@@ -144,7 +144,7 @@ def test_a_subclass_with_its_own_batch_shape_is_not_checked():
     assert t.step((X, Y, Y)).stepped
 
 
-# What the checks must still let through (a review of the checks above) ----------------------------------------
+# What the checks must still let through ---------------------------------------------------------------------
 
 class StaticHooks:
     @staticmethod
@@ -349,21 +349,21 @@ def test_cuda_device_without_cuda_is_an_error():
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_fp64_parameters_rejected_under_mixed_precision(precision):
-    """Issue 15 item 4: fp64 parameters under bf16/fp16 are a ValueError naming float64."""
+    """fp64 parameters under bf16/fp16 are a ValueError naming float64."""
     model = net().double()
     with pytest.raises(ValueError, match="float64"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu")
 
 
 def test_fp64_parameters_allowed_under_fp32():
-    """Issue 15 item 4: fp64 parameters may stay allowed under fp32."""
+    """fp64 parameters may stay allowed under fp32."""
     model = net().double()
     t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
     assert t.step((B[0].double(), B[1])).stepped
 
 
 def test_empty_batch_is_a_value_error_that_changes_nothing():
-    """Issue 15 item 6: an empty batch raises ValueError from step and changes nothing."""
+    """An empty batch raises ValueError from step and changes nothing."""
     m, t = mk()
     t.step(B)
     before, state = params_of(m), opt_state(t.optimizer)
@@ -378,14 +378,14 @@ def test_empty_batch_is_a_value_error_that_changes_nothing():
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
 def test_gradient_underflow_rejects_bad_scale(scale):
-    """Issue 15 item 21: gradient_underflow rejects a NaN, infinite, zero or negative scale."""
+    """gradient_underflow rejects a NaN, infinite, zero or negative scale."""
     grads = [("w", torch.tensor([1e-9, 1e-3, 0.5]))]
     with pytest.raises(ValueError, match="scale"):
         gradient_underflow(grads, torch.float16, scale)
 
 
 def test_dict_batch_to_default_forward_batch_names_the_override():
-    """Issue 15 item 22: a 2-key dict batch to the default forward_batch is a TypeError naming forward_batch."""
+    """A 2-key dict batch to the default forward_batch is a TypeError naming forward_batch."""
     _, t = mk()
     with pytest.raises(TypeError, match="forward_batch"):
         t.step(dict_batch(1))

@@ -445,7 +445,7 @@ def momentum_sgd(params, lr):
 
 
 def test_save_before_first_step_changes_nothing(tmp_path):
-    """Issue 15 item 2: save() before the first step does not change training."""
+    """save() before the first step does not change training."""
     m, t = mk()
     t.save(tmp_path / "early.pt")
     t.step(batch(2))
@@ -459,7 +459,7 @@ def test_save_before_first_step_changes_nothing(tmp_path):
 
 
 def test_failed_load_changes_nothing(tmp_path):
-    """Issue 15 item 8: a load() that fails (other output width) is all or nothing."""
+    """A load() that fails (other output width) is all or nothing."""
     other_m, other = mk(out=5)
     other.step((B[0], B[1] % 5))
     other.save(tmp_path / "wide.pt")
@@ -476,7 +476,7 @@ def test_failed_load_changes_nothing(tmp_path):
 
 
 def test_load_from_another_optimizer_class_is_a_value_error(tmp_path):
-    """Issue 15 item 9: a checkpoint from another optimizer class raises ValueError naming both."""
+    """A checkpoint from another optimizer class raises ValueError naming both."""
     _, sgd = mk(opt=momentum_sgd)
     sgd.step(B)
     sgd.save(tmp_path / "sgd.pt")
@@ -494,7 +494,7 @@ def test_load_from_another_optimizer_class_is_a_value_error(tmp_path):
 
 
 def test_load_discards_an_open_accumulation_window(tmp_path):
-    """Issue 15 item 10: load() discards the gradients of an open accumulation window."""
+    """load() discards the gradients of an open accumulation window."""
     m, t = mk(grad_accum_steps=2)
     t.step(batch(2))
     t.step(batch(3))
@@ -514,7 +514,7 @@ def test_load_discards_an_open_accumulation_window(tmp_path):
 
 
 def test_checkpoint_file_mode_follows_umask(tmp_path):
-    """Issue 15 item 14: checkpoint files get mode 0o666 & ~umask, like torch.save and open()."""
+    """Checkpoint files get mode 0o666 & ~umask, like torch.save and open()."""
     _, t = mk()
     t.step(B)
     old = os.umask(0o022)

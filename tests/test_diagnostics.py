@@ -114,7 +114,7 @@ def test_fit_records_underflow_every_n_steps():
 
 
 def test_underflow_measurement_with_all_zero_gradients(tmp_path):
-    """Issue 15 item 20: fit(underflow_every=1) with all-zero gradients records an empty measurement."""
+    """fit(underflow_every=1) with all-zero gradients records an empty measurement."""
     _, t = mk()
     t.loss_fn = lambda o, y: 0 * o.sum()
     t.fit([batch(2), batch(3)], epochs=1, progress=False, underflow_every=1)

@@ -337,7 +337,7 @@ class ModeProbe(nn.Module):
 
 
 def test_fit_trains_in_train_mode():
-    """Issue 15 item 3: fit() trains in train mode even after model.eval(); validation is in eval mode."""
+    """fit() trains in train mode even after model.eval(); validation is in eval mode."""
     torch.manual_seed(0)
     probe = ModeProbe()
     model = nn.Sequential(nn.Linear(8, 16), probe, nn.ReLU(), nn.Linear(16, 3))
@@ -360,7 +360,7 @@ def shuffled_loader():
 
 @pytest.mark.parametrize("accum, nth", [(1, 4), (2, 3), (2, 4)], ids=["accum1", "accum2-window-start", "accum2-mid-window"])
 def test_interrupt_in_backward_leaks_no_partial_gradient(accum, nth):
-    """Issue 15 item 11: a KeyboardInterrupt in backward leaves no partial .grad; resuming fit matches."""
+    """A KeyboardInterrupt in backward leaves no partial .grad; resuming fit matches."""
     loader = shuffled_loader()
     torch.manual_seed(5)
     ref_m, ref = mk(grad_accum_steps=accum)
@@ -387,7 +387,7 @@ def test_interrupt_in_backward_leaks_no_partial_gradient(accum, nth):
 
 
 def test_end_of_epoch_flush_counts_like_any_step(tmp_path):
-    """Issue 15 item 13: the end-of-epoch flush reaches callbacks and periodic checkpoints."""
+    """The end-of-epoch flush reaches callbacks and periodic checkpoints."""
     _, t = mk(grad_accum_steps=2)
 
     class Due:
@@ -418,7 +418,7 @@ def with_plateau():
 
 
 def test_reduce_lr_on_plateau_steps_with_val_loss_each_epoch():
-    """Issue 15 item 15: fit steps ReduceLROnPlateau with the validation loss at each epoch end."""
+    """fit steps ReduceLROnPlateau with the validation loss at each epoch end."""
     m, t = with_plateau()
     data, val = [batch(2), batch(3)], [batch(4)]
     lrs, history = [], []
@@ -430,7 +430,7 @@ def test_reduce_lr_on_plateau_steps_with_val_loss_each_epoch():
 
 
 def test_reduce_lr_on_plateau_needs_val_loader():
-    """Issue 15 item 15: fit with ReduceLROnPlateau and no val_loader is a ValueError before training."""
+    """fit with ReduceLROnPlateau and no val_loader is a ValueError before training."""
     m, t = with_plateau()
     before = params_of(m)
     with pytest.raises(ValueError) as info:
@@ -440,7 +440,7 @@ def test_reduce_lr_on_plateau_needs_val_loader():
 
 
 def test_step_alone_never_steps_reduce_lr_on_plateau():
-    """Issue 15 item 15: Trainer.step never steps a ReduceLROnPlateau."""
+    """Trainer.step never steps a ReduceLROnPlateau."""
     m, t = with_plateau()
     for i in range(3):
         assert t.step(batch(i)).stepped
@@ -454,7 +454,7 @@ class PlusTen(Trainer):
 
 
 def test_evaluate_uses_overridden_compute_loss():
-    """Issue 15 item 17: evaluate() uses an overridden compute_loss."""
+    """evaluate() uses an overridden compute_loss."""
     m = net()
     t = PlusTen(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu")
     with torch.no_grad():
@@ -463,7 +463,7 @@ def test_evaluate_uses_overridden_compute_loss():
 
 
 def test_fit_validation_uses_overridden_compute_loss():
-    """Issue 15 item 17: with lr=0, fit's val_loss (through compute_loss) equals its train_loss."""
+    """With lr=0, fit's val_loss (through compute_loss) equals its train_loss."""
     m = net()
     t = PlusTen(m, torch.optim.SGD(m.parameters(), lr=0.0), "fp32", device="cpu")
     record = t.fit([B], epochs=1, val_loader=[B], progress=False)[0]
@@ -472,7 +472,7 @@ def test_fit_validation_uses_overridden_compute_loss():
 
 
 def test_dict_batch_subclass_works_everywhere():
-    """Issue 15 item 17: a dict-batch subclass works in step, fit(+val, underflow_every) and evaluate(+metric)."""
+    """A dict-batch subclass works in step, fit(+val, underflow_every) and evaluate(+metric)."""
     m = net()
     t = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu")
     assert t.step(dict_batch(1)).stepped

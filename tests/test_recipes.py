@@ -305,8 +305,8 @@ def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
     assert "bf16 b32 fused-sgd eager" in capsys.readouterr().out
 
 
-# Bad arguments, refused at parsing (a hostile probe, 2026-11-30: each ran its timings or training first, then failed
-# and lost the results, or ran something else than asked) ------------------------------------------------------------
+# Bad arguments, refused at parsing (unchecked, each ran its timings or training first, then failed and lost
+# the results, or ran something else than asked) ------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, message", [
     (["--precisions", "bf16,bf16"], "names bf16 twice"),

@@ -367,7 +367,7 @@ def poisoned_empty():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_fused_sgd_first_step_skipped_is_a_no_op(precision, poisoned_empty):
-    """Issue 15 item 1: a skipped first step of fused momentum SGD leaves nothing behind."""
+    """A skipped first step of fused momentum SGD leaves nothing behind."""
     m, t = mk(precision, opt=fused_sgd)
     loss_fn = t.loss_fn
     t.loss_fn = NAN_LOSS
@@ -490,7 +490,7 @@ def test_fused_sgd_trains_a_parameter_whose_first_gradient_comes_late(precision,
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_late_unfrozen_parameter_nan_skips_the_step(precision):
-    """Issue 15 item 5: NaN in a late-added parameter's gradient skips the step."""
+    """NaN in a late-added parameter's gradient skips the step."""
     m, t = unfrozen_late(precision)
     before = params_of(m)
     m[0].weight.register_hook(lambda g: g * float("nan"))
@@ -500,7 +500,7 @@ def test_late_unfrozen_parameter_nan_skips_the_step(precision):
 
 
 def test_max_consecutive_skips_in_fit_keeps_counters_consistent(tmp_path):
-    """Issue 15 item 12: after max_consecutive_skips stops fit, global_step == batch_in_epoch and save works."""
+    """After max_consecutive_skips stops fit, global_step == batch_in_epoch and save works."""
     _, t = mk(max_consecutive_skips=3)
     t.loss_fn = NAN_LOSS
     with pytest.raises(RuntimeError, match="in a row"):

@@ -413,7 +413,7 @@ def float64_default():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_step_under_float64_default_dtype(precision, float64_default):
-    """Issue 15 item 7: fp32/bf16 steps of an fp32 model work with float64 as the default dtype."""
+    """fp32/bf16 steps of an fp32 model work with float64 as the default dtype."""
     model = net().float()
     t = Trainer(model, torch.optim.AdamW(model.parameters(), lr=0.1), precision, device="cpu")
     result = t.step((B[0].float(), B[1]))
@@ -422,7 +422,7 @@ def test_step_under_float64_default_dtype(precision, float64_default):
 
 
 def test_step_under_no_grad():
-    """Issue 15 item 16: step() under torch.no_grad() trains exactly as outside it."""
+    """step() under torch.no_grad() trains exactly as outside it."""
     m, t = mk()
     with torch.no_grad():
         assert t.step(B).stepped
