@@ -1,6 +1,13 @@
 import pytest
 import torch
 from torch import nn
+import copy
+import random
+
+import numpy as np
+from torch.utils.data import TensorDataset
+
+from precisionloop import FP16Policy, Trainer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -108,3 +115,127 @@ def count_flag_writes(monkeypatch):
     monkeypatch.setattr(policy, "_FLAGS", tuple((_RecordingOwner(owner, i, writes), name)
                                                 for i, (owner, name) in enumerate(policy._FLAGS)))
     return writes
+
+
+# A small classifier and its batches, with comparisons of weights and optimizer state: shared by the step,
+# skip, checkpoint, loop and bad-input tests.
+
+def net(drop=0.0, out=3):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(drop), nn.Linear(16, out))
+
+
+def mk(p="fp32", opt=torch.optim.AdamW, drop=0.0, out=3, lr=0.1, **kw):
+    m = net(drop, out)
+    return m, Trainer(m, opt(m.parameters(), lr=lr), p, device="cpu", **kw)
+
+
+def batch(seed=1, n=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+B = batch()
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same_params(model, saved):
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), saved, strict=True))
+
+
+def same_models(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def opt_state(optimizer):
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def same_state(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def unfrozen_late(precision, **kw):
+    """Layer 0 frozen when the Trainer is built, then unfrozen and added to the optimizer."""
+    m = net()
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    t = Trainer(m, opt, precision, device="cpu", **kw)
+    for p in m[0].parameters():
+        p.requires_grad_(True)
+    opt.add_param_group({"params": list(m[0].parameters())})
+    return m, t
+
+
+class DictTrainer(Trainer):
+    calls = 0
+
+    def forward_batch(self, batch):
+        DictTrainer.calls += 1
+        return self.model(batch["x"]), batch["y"]
+
+
+def dict_batch(seed):
+    x, y = batch(seed)
+    return {"x": x, "y": y}
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# A one-layer trainer and its batch: shared by the bad-input and checkpoint tests.
+
+X, Y = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0])
+
+
+def _trainer(**kwargs) -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", **{"device": "cpu", **kwargs})
+
+
+# A dropout MLP with a scheduler and a noisy shuffled loader: shared by the loop and checkpoint tests.
+
+def dataset(n=40, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
+
+
+def dropout_mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
+
+
+def make_trainer(precision, seed=0, **kwargs):
+    model = dropout_mlp(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    policy = FP16Policy(growth_interval=4) if precision == "fp16" else precision
+    return Trainer(model, opt, policy, device="cpu", scheduler=sched, scheduler_interval="step", **kwargs)
+
+
+def seed_all(seed):
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+# The scheduler's interval: "step" after every optimizer step taken, "epoch" at each epoch's end of fit.
+
+def _scheduled(interval, gamma=0.5):
+    model = dropout_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
+    return Trainer(model, opt, "fp32", device="cpu", scheduler=sched, scheduler_interval=interval)

@@ -1,8 +1,12 @@
+"""autotune: the choice among candidates, the trials it runs, and Trainer(autotune=True)."""
+
 import pytest
 import torch
-from conftest import batches, tiny_cnn, tiny_mlp
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from conftest import B, DictTrainer, batch, batches, dict_batch, fp32_only_loss, net, tiny_cnn, tiny_mlp
 
-from precisionloop import Candidate, autotune
+from precisionloop import Candidate, Trainer, autotune
 from precisionloop.tuning import default_candidates
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
@@ -99,3 +103,102 @@ def test_trainer_autotune_needs_auto_precision():
     model = tiny_mlp()
     with pytest.raises(ValueError, match="precision='auto'"):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), "bf16", device="cpu", autotune=True)
+
+
+def test_dict_batch_subclass_autotune_runs_the_subclass():
+    """autotune trials run the subclass's forward_batch/compute_loss."""
+    m = net()
+    t = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), precision="auto", autotune=True, device="cpu")
+    DictTrainer.calls = 0
+    assert t.step(dict_batch(1)).stepped
+    assert DictTrainer.calls > 1  # the trials went through the subclass, not only the real step
+
+
+def test_autotune_with_adamw():
+    """autotune works with torch's AdamW (its defaults are not all constructor kwargs)."""
+    m = net()
+    t = Trainer(m, torch.optim.AdamW(m.parameters(), lr=1e-3), precision="auto", autotune=True, device="cpu")
+    assert t.step(B).stepped
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_autotune_keeps_per_group_settings(opt_cls):
+    """autotune trials keep the optimizer's per-group settings (two groups, two lrs)."""
+    m = net()
+    groups = [{"params": m[0].parameters(), "lr": 1e-3}, {"params": m[3].parameters(), "lr": 1e-2}]
+    opt = opt_cls(groups, lr=1e-3)
+    t = Trainer(m, opt, precision="auto", autotune=True, device="cpu")
+    seen = []
+    # A global optimizer step pre-hook sees every optimizer that steps, the trials' copies included.
+    handle = register_optimizer_step_pre_hook(
+        lambda o, args, kwargs: seen.append(tuple(g["lr"] for g in o.param_groups)))
+    try:
+        assert t.step(B).stepped
+    finally:
+        handle.remove()
+    assert len(seen) > 1
+    assert set(seen) == {(1e-3, 1e-2)}, f"optimizers stepped with lrs {sorted(set(seen))}"
+
+
+class FlagProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.eval_flags = []
+
+    def forward(self, x):
+        if not self.training:
+            self.eval_flags.append(torch.backends.cuda.matmul.fp32_precision)
+        return x
+
+
+def test_validation_after_autotune_runs_under_the_chosen_flags():
+    """Validation in the fit that autotuned runs under the chosen policy's backend flags."""
+    torch.manual_seed(0)
+    probe = FlagProbe()
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), probe, nn.Linear(16, 3))
+    t = Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), precision="auto", autotune=True, device="cpu",
+                loss_fn=fp32_only_loss)
+    assert t.policy.tf32  # the pre-autotune policy
+    t.fit([batch(2)], epochs=1, val_loader=[batch(3)], progress=False)
+    assert t.policy.name == "fp32" and not t.policy.tf32
+    expected = "tf32" if t.policy.tf32 else "ieee"
+    assert probe.eval_flags and set(probe.eval_flags) == {expected}, probe.eval_flags
+
+
+def test_autotune_builds_trial_optimizers_that_need_constructor_arguments():
+    class MyOpt(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, dict(lr=lr))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    model = tiny_mlp()
+    trainer = Trainer(model, MyOpt(model.parameters(), lr=0.1), "auto", device="cpu", autotune=True)
+    assert trainer.step(batches(1)[0]).stepped
+
+
+@pytest.mark.gpu
+def test_autotune_on_cuda_prints_its_table(capsys):
+    from precisionloop import autotune
+
+    model = tiny_cnn()
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 4, (16,)))
+    result = autotune(model, lambda p: torch.optim.SGD(p, lr=0.05, fused=True), batch, device="cuda", steps=3, warmup=2)
+    out = capsys.readouterr().out
+    assert "CHOSEN" in out and result.best.label in out
+    assert {r.candidate.precision for r in result.results} == {"fp32", "tf32", "bf16", "fp16"}
+    assert all(r.peak_mb is not None for r in result.results if r.rejected is None)
+
+
+@pytest.mark.gpu
+def test_trainer_autotune_on_cuda_trains_with_its_choice(capsys):
+    model = tiny_cnn()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05, fused=True), "auto", device="cuda", autotune=True)
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 4, (16,)))
+    assert trainer.step(batch).stepped and "CHOSEN" in capsys.readouterr().out
+    assert trainer.policy.name in {"fp32", "tf32", "bf16", "fp16"} and trainer.step(batch).stepped

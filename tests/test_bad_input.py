@@ -1,28 +1,22 @@
-"""Bad input found by a hostile probe (2026-11-30), each refused at once with an error that names it, before
-anything changes. Before the fixes, each of these was accepted and failed later (after training had changed
-the weights), did something else silently, or failed with torch's own error that named no valid option.
+"""Bad arguments and input, each refused at once with an error that names it, before anything changes; and
+what the checks must still let through. Unchecked, each of these was accepted and failed later (after
+training had changed the weights), did something else silently, or failed with torch's own error that named
+no valid option.
 """
 
 from __future__ import annotations
 
-import copy
-import os
-import stat
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
+from conftest import B, X, Y, _params, _trainer, batch, batches, dict_batch, mk, net, opt_state, params_of, same_params, same_state, tiny_mlp
 
-from precisionloop import devices
-from precisionloop import Trainer, get_policy
+from precisionloop import BF16Policy, FP16Policy, FP32Policy, Trainer, devices, get_policy
+from precisionloop.diagnostics import gradient_underflow
 
-X, Y = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0])
-
-
-def _trainer(**kwargs) -> Trainer:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 3)
-    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", **{"device": "cpu", **kwargs})
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
 
 def _weights(t: Trainer) -> list[torch.Tensor]:
@@ -150,62 +144,7 @@ def test_a_subclass_with_its_own_batch_shape_is_not_checked():
     assert t.step((X, Y, Y)).stepped
 
 
-# save() keeps the mode open() would -------------------------------------------------------------------------------
-
-def test_save_over_a_file_keeps_its_mode(tmp_path):
-    t = _trainer()
-    path = t.save(tmp_path / "ckpt.pt")
-    os.chmod(path, 0o600)
-    t.save(path)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-
-
-@pytest.mark.skipif(os.geteuid() == 0 if hasattr(os, "geteuid") else True,
-                    reason="root may write any file, so open() would not refuse it either")
-def test_save_over_a_read_only_file_is_refused_and_leaves_it(tmp_path):
-    t = _trainer()
-    path = t.save(tmp_path / "ckpt.pt")
-    old = path.read_bytes()
-    os.chmod(path, 0o444)
-    t.step((X, Y))
-    with pytest.raises(PermissionError, match="not writable"):
-        t.save(path)
-    assert path.read_bytes() == old and stat.S_IMODE(os.stat(path).st_mode) == 0o444
-
-
-def test_save_refuses_a_read_only_file_the_way_open_does(tmp_path, monkeypatch):
-    """As root, os.access says every file is writable; the refusal is checked through it instead."""
-    t = _trainer()
-    path = t.save(tmp_path / "ckpt.pt")
-    old = path.read_bytes()
-    monkeypatch.setattr(os, "access", lambda p, mode: False if os.fspath(p) == os.fspath(path) else True)
-    t.step((X, Y))
-    with pytest.raises(PermissionError, match="not writable"):
-        t.save(path)
-    assert path.read_bytes() == old
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-
-
-def test_a_new_checkpoint_gets_the_umask_mode(tmp_path):
-    mask = os.umask(0o027)
-    try:
-        path = _trainer().save(tmp_path / "new.pt")
-    finally:
-        os.umask(mask)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
-
-
-def test_state_dict_holds_the_live_tensors_as_documented():
-    """The docstring's promise: training on changes the weights in it; a deepcopy keeps a snapshot."""
-    t = _trainer()
-    t.step((X, Y))
-    live, snapshot = t.state_dict(), copy.deepcopy(t.state_dict())
-    t.step((X, Y))
-    assert torch.equal(live["model"]["weight"], t.model.weight)
-    assert not torch.equal(snapshot["model"]["weight"], t.model.weight)
-
-
-# What the checks must still let through (a review of the checks above) ----------------------------------------
+# What the checks must still let through ---------------------------------------------------------------------
 
 class StaticHooks:
     @staticmethod
@@ -255,16 +194,6 @@ def test_an_optimizer_like_object_is_still_accepted():
     t = Trainer(model, Wrapped(torch.optim.SGD(model.parameters(), lr=0.1)), "fp32", device="cpu")
     before = _weights(t)
     assert t.step((X, Y)).stepped and not torch.equal(_weights(t)[0], before[0])
-
-
-def test_save_replaces_a_symlink_as_before_without_checking_its_target(tmp_path, monkeypatch):
-    t = _trainer()
-    target = t.save(tmp_path / "ckpt_1.pt")
-    link = tmp_path / "latest.pt"
-    link.symlink_to(target)
-    monkeypatch.setattr(os, "access", lambda p, mode: os.fspath(p) != os.fspath(link))  # as if unwritable
-    t.save(link)
-    assert not link.is_symlink() and link.is_file()
 
 
 def test_a_removed_option_names_what_to_use_instead():
@@ -380,3 +309,134 @@ def test_a_scheduler_without_an_interval_is_refused_naming_both_choices():
         Trainer(model, opt, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
                 scheduler_interval="step")
     Trainer(model, opt, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))  # implied
+
+
+def test_default_compute_loss_names_the_override():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    with pytest.raises(TypeError, match="compute_loss"):
+        trainer.step(torch.randn(4, 16))
+
+
+def test_bad_input_at_construction():
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="missing from the optimizer.*0.weight"):
+        Trainer(model, torch.optim.SGD(list(model.parameters())[1:], lr=0.1), device="cpu")
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        Trainer(model, torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(2))], lr=0.1), device="cpu")
+    half = tiny_mlp().half()
+    with pytest.raises(ValueError, match=r"0.weight \(torch.float16\).*model.float\(\)"):
+        Trainer(half, torch.optim.SGD(half.parameters(), lr=0.1), device="cpu")
+    with pytest.raises(ValueError, match="'fp4'"):
+        Trainer(model, opt, "fp4", device="cpu")
+    for kwargs, key in [(dict(grad_accum_steps=0), "grad_accum_steps"), (dict(grad_accum_steps=1.5), "grad_accum_steps"),
+                        (dict(max_consecutive_skips=0), "max_consecutive_skips"), (dict(max_grad_norm=-1.0), "max_grad_norm"),
+                        (dict(device="tpu9"), "device")]:
+        with pytest.raises(ValueError, match=key):
+            Trainer(model, opt, "fp32", **{"device": "cpu", **kwargs})
+    other = torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="scheduler"):
+        Trainer(model, opt, device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(other, 1), scheduler_interval="step")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_is_an_error():
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cuda")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fp64_parameters_rejected_under_mixed_precision(precision):
+    """fp64 parameters under bf16/fp16 are a ValueError naming float64."""
+    model = net().double()
+    with pytest.raises(ValueError, match="float64"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu")
+
+
+def test_fp64_parameters_allowed_under_fp32():
+    """fp64 parameters may stay allowed under fp32."""
+    model = net().double()
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    assert t.step((B[0].double(), B[1])).stepped
+
+
+def test_empty_batch_is_a_value_error_that_changes_nothing():
+    """An empty batch raises ValueError from step and changes nothing."""
+    m, t = mk()
+    t.step(B)
+    before, state = params_of(m), opt_state(t.optimizer)
+    stats, step = dataclasses.asdict(t.stats), t.global_step
+    with pytest.raises(ValueError, match="empty"):
+        t.step((torch.randn(0, 8), torch.randint(0, 3, (0,))))
+    assert same_params(m, before)
+    assert same_state(t.optimizer.state_dict(), state)
+    assert t.global_step == step and dataclasses.asdict(t.stats) == stats
+    assert t.step(batch(2)).stepped
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
+def test_gradient_underflow_rejects_bad_scale(scale):
+    """gradient_underflow rejects a NaN, infinite, zero or negative scale."""
+    grads = [("w", torch.tensor([1e-9, 1e-3, 0.5]))]
+    with pytest.raises(ValueError, match="scale"):
+        gradient_underflow(grads, torch.float16, scale)
+
+
+def test_dict_batch_to_default_forward_batch_names_the_override():
+    """A 2-key dict batch to the default forward_batch is a TypeError naming forward_batch."""
+    _, t = mk()
+    with pytest.raises(TypeError, match="forward_batch"):
+        t.step(dict_batch(1))
+
+
+def test_meta_device_is_refused_before_the_model_moves():
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match="meta"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="meta")
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(scheduler=torch.optim.lr_scheduler.CosineAnnealingLR), "scheduler"),
+    (dict(max_grad_norm="1"), "max_grad_norm"),
+    (dict(max_grad_norm=float("inf")), "max_grad_norm"),
+])
+def test_bad_trainer_arguments_are_refused_at_construction(kwargs, match):
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match=match):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", **kwargs)
+
+
+def test_lbfgs_is_refused_at_construction():
+    model = tiny_mlp()
+    with pytest.raises(ValueError, match="LBFGS"):
+        Trainer(model, torch.optim.LBFGS(model.parameters()), "fp32", device="cpu")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: FP16Policy(init_scale=float("inf")), "init_scale"),
+    (lambda: FP16Policy(growth_factor=float("inf")), "growth_factor"),
+    (lambda: FP32Policy(tf32="no"), "tf32"),
+    (lambda: BF16Policy(channels_last="yes"), "channels_last"),
+])
+def test_bad_policy_arguments_are_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_fit_arguments_are_refused_before_training(tmp_path):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    before = _params(model)
+
+    class Callback:
+        def on_step_end(self, trainer, result):
+            pass
+
+    with pytest.raises(ValueError, match="callbacks"):
+        trainer.fit(batches(2), progress=False, callbacks=Callback())
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        trainer.fit(batches(2), progress=False, checkpoint_dir=tmp_path)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

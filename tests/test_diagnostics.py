@@ -1,14 +1,19 @@
+"""gradient_underflow and the counters of the training stats."""
+
 import pytest
 import torch
-from conftest import batches, tiny_mlp
 from torch.utils.data import DataLoader, TensorDataset
+from conftest import batch, batches, mk, tiny_mlp
 
 from precisionloop import FP16Policy, Trainer
 from precisionloop.diagnostics import gradient_underflow
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
+
 SUB = 2.0**-24  # fp16's smallest subnormal
+
+
 LOSS_SCALE = 65536.0
 
 
@@ -106,3 +111,14 @@ def test_fit_records_underflow_every_n_steps():
     untouched = Trainer(other, torch.optim.SGD(other.parameters(), lr=0.01), "fp16", device="cpu")
     assert "underflow" not in untouched.fit(data, epochs=1, progress=False)[0]
     assert untouched.underflow_history == []
+
+
+def test_underflow_measurement_with_all_zero_gradients(tmp_path):
+    """fit(underflow_every=1) with all-zero gradients records an empty measurement."""
+    _, t = mk()
+    t.loss_fn = lambda o, y: 0 * o.sum()
+    t.fit([batch(2), batch(3)], epochs=1, progress=False, underflow_every=1)
+    assert t.global_step == 2
+    assert len(t.underflow_history) == 2
+    assert all(entry["nonzero"] == 0 for entry in t.underflow_history)
+    assert t.save(tmp_path / "after.pt").is_file()

@@ -5,7 +5,7 @@ clean fp32, bf16 and fp16 steps match the hand-written torch.amp loop (GradScale
 bit, and a step whose gradients hold a NaN or an inf leaves the parameters and the optimizer state as
 they were, then training goes on (fp16: with the scale backed off).
 LBFGS is refused with a clear error (its closure re-evaluates the loss, which a guarded step cannot
-skip); that is pinned in test_faults_review.py and checked here against the same discovery.
+skip); that is pinned in test_bad_input.py and checked here against the same discovery.
 """
 
 from __future__ import annotations

@@ -1,17 +1,22 @@
+"""Precision policies: the name table and get_policy, autocast dtypes inside the step, backend flags set and
+restored, custom policies, and what a checkpoint records of the policy and how a load uses it."""
+
 import contextlib
 import dataclasses
+import enum
 import logging
+import warnings
 
+import numpy as np
 import pytest
 import torch
-from conftest import batches, tiny_cnn, tiny_mlp, count_flag_writes, read_flags, tf32_flags, write_flags
 from torch import nn
+from conftest import batches, count_flag_writes, read_flags, tf32_flags, tiny_cnn, tiny_mlp, write_flags
 
 import precisionloop
-from precisionloop import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, get_policy
-from precisionloop import _compat
-from precisionloop import policy as policy_mod
-from precisionloop import devices, precisions
+from precisionloop import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, _compat, checkpoint, devices, get_policy, policy as policy_mod, precisions
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
 
 @pytest.mark.parametrize(
@@ -300,3 +305,274 @@ def test_trainer_autocast_runs_a_users_eval_loop_as_the_step_runs_its_forward(pr
     with pytest.raises(KeyError), trainer.autocast():
         raise KeyError("boom")
     assert _flags() == before and not torch.is_autocast_enabled("cpu")
+
+
+def _save(tmp_path, policy, model=None, name="c.pt", **kwargs):
+    model = model or tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu", **kwargs)
+    trainer.step(batches(1)[0])
+    return trainer.save(tmp_path / name)
+
+
+def _waiting(model=None):
+    model = model or tiny_mlp()
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto", device="cpu", autotune=True)
+
+
+def _load_quietly(trainer, path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.load(path)
+    return [str(w.message) for w in caught if "saved under" in str(w.message)]
+
+
+class Mode(str, enum.Enum):
+    FAST = "fast"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModePolicy(BF16Policy):
+    mode: Mode = Mode.FAST
+
+
+class LoudBF16(BF16Policy):
+    """Same name and settings as bf16, other behaviour: a record of name and settings alone would not tell."""
+
+
+class Outer:
+    class Norm(nn.LayerNorm):
+        pass
+
+
+def test_settings_of_numpy_or_enum_types_still_save_and_load(tmp_path):
+    for policy in (FP16Policy(init_scale=np.float64(1024.0)), ModePolicy()):
+        path = _save(tmp_path, policy)
+        state = torch.load(path, weights_only=True)  # what Trainer.load reads
+        model = tiny_mlp()
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu").load(path)
+    assert state["unrecorded"] == ["mode"] and "mode" not in state["options"]
+    with pytest.raises(ValueError, match=r"cannot rebuild.*\['mode'\].*pass the policy"):
+        _waiting().load(path)
+    assert type(torch.load(_save(tmp_path, FP16Policy(init_scale=np.float64(8.0))), weights_only=True)
+                ["options"]["init_scale"]) is float
+
+
+def test_a_plain_resume_does_not_warn(tmp_path):
+    path = _save(tmp_path, FP16Policy(init_scale=8.0, growth_interval=100))
+    model = tiny_mlp()
+    same = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(init_scale=8, growth_interval=100),
+                   device="cpu")
+    assert _load_quietly(same, path) == []  # 8 == 8.0
+    # A checkpoint from before settings were recorded: compared by precision and keep_fp32 only.
+    state = torch.load(path, weights_only=True)
+    for key in ("options", "policy_class", "unrecorded", "keep_fp32_classes"):
+        del state[key]
+    torch.save(state, tmp_path / "old.pt")
+    assert _load_quietly(same, tmp_path / "old.pt") == []
+    model = tiny_mlp()
+    other = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), FP16Policy(init_scale=16.0), device="cpu")
+    assert any("init_scale=8.0" in m and "init_scale=16.0" in m for m in _load_quietly(other, path))
+
+
+def test_a_policy_class_of_ones_own_is_recorded(tmp_path):
+    path = _save(tmp_path, LoudBF16())
+    model = tiny_mlp()
+    plain = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), BF16Policy(), device="cpu")
+    assert any("LoudBF16" in m for m in _load_quietly(plain, path))
+    waiting = _waiting()
+    with pytest.raises(ValueError, match=r"LoudBF16.*cannot rebuild.*pass the policy"):
+        waiting.load(path)
+    assert waiting._autotune_compile is not None and waiting.global_step == 0  # nothing changed
+
+
+def test_keep_fp32_classes_nested_or_local_resume_or_fail_clearly(tmp_path):
+    def model_with(norm):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), norm(32), nn.Linear(32, 4))
+
+    path = _save(tmp_path, BF16Policy(keep_fp32=(Outer.Norm,)), model_with(Outer.Norm))
+    waiting = _waiting(model_with(Outer.Norm))
+    waiting.load(path)
+    assert waiting.policy == BF16Policy(keep_fp32=(Outer.Norm,))
+
+    class Local(nn.LayerNorm):
+        pass
+
+    path = _save(tmp_path, BF16Policy(keep_fp32=(Local,)), model_with(Local), name="local.pt")
+    with pytest.raises(ValueError, match=r"keep_fp32 class .*<locals>\.Local of the checkpoint's policy is not among the imported"):
+        _waiting(model_with(Local)).load(path)
+
+
+def test_a_trainer_waiting_to_autotune_resumes_compiled_if_the_saved_run_was(tmp_path):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", compile=True)
+    path = trainer.save(tmp_path / "c.pt")  # before any step: nothing compiles
+    waiting = _waiting()
+    waiting.load(path)
+    assert waiting.compile_mode == "default" and waiting.policy == BF16Policy()
+    assert checkpoint.policy_record(BF16Policy())["policy_class"].endswith("BF16Policy")
+
+
+def test_a_policy_that_fails_to_prepare_on_resume_leaves_the_waiting_trainer_as_it_was(tmp_path, monkeypatch):
+    path = _save(tmp_path, BF16Policy())
+    waiting = _waiting()
+    before = (waiting.policy, waiting.model, waiting.compile_mode)
+
+    def refuse(self, model):
+        raise ValueError("this device cannot run bf16")
+
+    monkeypatch.setattr(BF16Policy, "prepare_model", refuse)
+    with pytest.raises(ValueError, match="cannot run bf16"):
+        waiting.load(path)
+    assert (waiting.policy, waiting.model, waiting.compile_mode) == before and waiting._autotune_compile is not None
+
+
+class CountingPolicy(FP16Policy):
+    """A custom-hardware style policy: its own name, scaler and autocast bookkeeping."""
+
+    name = "counting-fp16"
+
+    def autocast(self, device_type):
+        object.__setattr__(self, "calls", getattr(self, "calls", 0) + 1)
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+
+    def make_scaler(self, device_type):
+        return torch.amp.GradScaler(device_type, init_scale=4.0, growth_interval=1)
+
+    def prepare_model(self, model):
+        model.prepared_by = self.name
+        return model
+
+
+def test_custom_policy_subclass_is_honoured():
+    model = Probe16()
+    policy = CountingPolicy()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
+    assert trainer.policy is policy and model.prepared_by == "counting-fp16"
+    results = [trainer.step(b) for b in batches(2)]
+    assert policy.calls == 2  # asked for anew each step
+    assert model.dtypes == [torch.bfloat16, torch.bfloat16]
+    assert [r.scale for r in results] == [8.0, 16.0]
+
+
+class Probe16(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+        self.dtypes = []
+
+    def forward(self, x):
+        out = self.linear(x)
+        self.dtypes.append(out.dtype)
+        return out
+
+
+class _AutocastSeen(nn.Module):
+    """A tiny MLP that records, inside forward, the autocast dtype and whether autocast's weight cache is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.seen = tiny_mlp(), []
+
+    def forward(self, x):
+        self.seen.append((torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+                          torch.is_autocast_cache_enabled()))
+        return self.net(x)
+
+
+def test_a_policy_whose_autocast_is_a_one_use_context_manager_gets_asked_every_step():
+    import contextlib
+
+    class OneUse(BF16Policy):
+        @contextlib.contextmanager
+        def autocast(self, device_type):  # a generator's context manager cannot be entered twice
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                yield
+
+    model = _AutocastSeen()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), OneUse(), device="cpu")
+    for b in batches(3):
+        trainer.step(b)
+    assert [dtype for dtype, _ in model.seen] == [torch.bfloat16] * 3
+
+
+def test_a_step_nested_in_a_forward_leaves_autocast_as_it_found_it():
+    # The kept torch.autocast saves the state it restores on itself: entered twice, the outer exit left autocast on.
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", grad_accum_steps=2)
+    inner = batches(1, seed=5)[0]
+    nested = []
+
+    def hook(module, args):
+        if not nested:
+            nested.append(1)
+            trainer.step(inner)
+
+    handle = model[0].register_forward_pre_hook(hook)
+    trainer.step(batches(1)[0])
+    handle.remove()
+    assert nested and not torch.is_autocast_enabled("cpu")
+    assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.float32
+    trainer.step(batches(1)[0])
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_the_kept_autocast_follows_a_new_default_autocast_dtype():
+    # torch.autocast(device, enabled=False) (the fp32 policy's) sets the default dtype it read when made.
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.seen = tiny_mlp(), []
+
+        def forward(self, x):
+            with torch.autocast("cpu"):  # no dtype: the default one
+                self.seen.append(torch.get_autocast_dtype("cpu"))
+                return self.net(x).float()
+
+    model = Inner()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    default = torch.get_autocast_dtype("cpu")
+    trainer.step(batches(1)[0])
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        trainer.step(batches(1)[0])
+    finally:
+        torch.set_autocast_dtype("cpu", default)
+    assert model.seen == [default, torch.float16]
+
+
+class CudaProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = tiny_cnn()
+        self.seen = []
+
+    def forward(self, x):
+        out = self.net[0](x)
+        self.seen.append(dict(dtype=out.dtype, input_channels_last=x.is_contiguous(memory_format=torch.channels_last)
+                              and not x.is_contiguous(), tf32=read_flags()[0], benchmark=torch.backends.cudnn.benchmark))
+        return self.net[1:](out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, dtype", [("tf32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_cuda_autocast_flags_and_channels_last(precision, dtype):
+    model = CudaProbe()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cuda")
+    before = read_flags()
+    x = torch.randn(4, 3, 16, 16)
+    assert trainer.step((x, torch.tensor([0, 1, 2, 3]))).stepped
+    seen = model.seen[-1]
+    assert seen["dtype"] == dtype and seen["input_channels_last"]
+    assert seen["tf32"] == tf32_flags(True) and seen["benchmark"] is True
+    assert read_flags() == before
+    assert model.net[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.dtype == torch.float32 and p.is_cuda for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_auto_picks_bf16_on_a_native_bf16_gpu():
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("this GPU has no native bf16")
+    policy = get_policy("auto", "cuda")
+    assert isinstance(policy, BF16Policy) and "compute capability" in policy.note

@@ -1,8 +1,11 @@
+"""The recipes and benchmark scripts: tiny runs on the CPU, their argument checks, and the CUDA benchmark."""
+
 import json
 
 import pytest
 
 from precisionloop.recipes import resnet18_bench
+
 
 TINY = ["--batch-sizes", "2,3", "--iters", "2", "--warmup", "1", "--image-size", "32", "--device", "cpu"]
 
@@ -59,7 +62,6 @@ def test_benchmark_recipe_rejects_bad_flags(argv, message, capsys):
     assert info.value.code != 0
     err = capsys.readouterr().err + str(info.value.code)
     assert message in err
-
 
 
 TINY_TRANSFORMER = ["--model", "transformer", "--device", "cpu", "--layers", "1", "--d-model", "32", "--d-ff", "64",
@@ -303,8 +305,8 @@ def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
     assert "bf16 b32 fused-sgd eager" in capsys.readouterr().out
 
 
-# Bad arguments, refused at parsing (a hostile probe, 2026-11-30: each ran its timings or training first, then failed
-# and lost the results, or ran something else than asked) ------------------------------------------------------------
+# Bad arguments, refused at parsing (unchecked, each ran its timings or training first, then failed and lost
+# the results, or ran something else than asked) ------------------------------------------------------------
 
 @pytest.mark.parametrize("flags, message", [
     (["--precisions", "bf16,bf16"], "names bf16 twice"),
@@ -362,3 +364,16 @@ def test_peers_refuses_an_unknown_peer_precision_and_skips_a_group_with_no_syste
     assert "--peer-precisions: unknown 'xx'" in capsys.readouterr().err
     assert peers.measure_group(2, "fp16", peers.bench.parse_args([*TINY, "--precisions", "bf16"]), [], ["fp16"],
                                on_run=lambda r, n: None) == []
+
+
+@pytest.mark.gpu
+def test_benchmark_recipe_on_cuda(tmp_path):
+    import json
+
+    from precisionloop.recipes import resnet18_bench
+
+    out = tmp_path / "bench.json"
+    resnet18_bench.main(["--batch-sizes", "4", "--iters", "3", "--warmup", "2", "--image-size", "64", "--json", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert {r["precision"] for r in results} == {"fp32", "tf32", "bf16", "fp16"}
+    assert all(r["peak_mb"] > 0 and r["median_ms"] > 0 and r["error"] is None for r in results)

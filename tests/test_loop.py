@@ -1,129 +1,21 @@
+"""fit and evaluate: train and eval modes, history and metrics, callbacks, progress, loggers, schedulers, backend
+flags around fit, interrupts in fit, and the time spent waiting for data."""
+
 import logging
 import math
-import os
-import random
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
+from conftest import B, DictTrainer, _scheduled, batch, batches, count_flag_writes, dataset, dict_batch, dropout_mlp, fp32_only_loss, make_trainer, mk, net, params_of, read_flags, same_models, same_params, seed_all, tf32_flags, tiny_mlp, write_flags
 
-from conftest import batches, fp32_only_loss, tiny_mlp, count_flag_writes, read_flags, tf32_flags, write_flags
-
-from precisionloop import FP16Policy, Trainer
-from precisionloop import policy as policy_mod
+from precisionloop import Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
-
-
-def dataset(n=40, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 16, generator=g)
-    return TensorDataset(x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long())
-
-
-class NoisyDataset(Dataset):
-    """Draws from torch, numpy and Python RNGs while loading, like random augmentation does."""
-
-    def __init__(self, base):
-        self.base = base
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, i):
-        x, y = self.base[i]
-        noise = 0.01 * (torch.randn(()) + float(np.random.randn()) + random.random())
-        return x + noise, y
-
-
-def dropout_mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4))
-
-
-def make_trainer(precision, seed=0, **kwargs):
-    model = dropout_mlp(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
-    policy = FP16Policy(growth_interval=4) if precision == "fp16" else precision
-    return Trainer(model, opt, policy, device="cpu", scheduler=sched, scheduler_interval="step", **kwargs)
-
-
-def loader():
-    # A shuffled DataLoader with no explicit generator: its order comes from the global RNG.
-    return DataLoader(NoisyDataset(dataset()), batch_size=4, shuffle=True)
-
-
-def seed_all(seed):
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
-
-
-@pytest.mark.parametrize("grad_accum_steps", [1, 3])
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
-def test_mid_epoch_resume_is_bitwise_exact(tmp_path, precision, grad_accum_steps):
-    seed_all(0)
-    full = make_trainer(precision, grad_accum_steps=grad_accum_steps)
-    full.fit(loader(), epochs=3, progress=False)
-
-    seed_all(0)
-    first = make_trainer(precision, grad_accum_steps=grad_accum_steps)
-    first.fit(loader(), epochs=3, max_steps=5, progress=False)  # stops inside epoch 2 (4 steps/epoch) or 1
-    assert first.batch_in_epoch > 0, "the test must stop mid-epoch"
-    first.save(tmp_path / "ckpt.pt")
-
-    seed_all(12345)  # a fresh process would start from some other RNG state
-    resumed = make_trainer(precision, seed=7, grad_accum_steps=grad_accum_steps)
-    resumed.load(tmp_path / "ckpt.pt")
-    resumed.fit(loader(), epochs=3, progress=False)
-
-    assert resumed.global_step == full.global_step and resumed.epoch == 3
-    for p, q in zip(full.model.parameters(), resumed.model.parameters()):
-        assert torch.equal(p, q)
-    assert resumed.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
-    if precision == "fp16":
-        assert resumed.scaler.get_scale() == full.scaler.get_scale()
-
-
-RESUME_SCRIPT = textwrap.dedent("""
-    import random, sys, numpy as np, torch
-    sys.path.insert(0, {tests!r})
-    from test_fit import make_trainer, loader, seed_all
-    mode, path = sys.argv[1], sys.argv[2]
-    if mode == "first":
-        seed_all(0)
-        t = make_trainer("fp16")
-        t.fit(loader(), epochs=2, max_steps=6, progress=False)
-        t.save(path)
-    else:
-        t = make_trainer("fp16", seed=99)
-        t.load(path)
-        t.fit(loader(), epochs=2, progress=False)
-        torch.save([p.detach() for p in t.model.parameters()], path + ".params")
-""")
-
-
-def test_resume_in_a_fresh_process_is_bitwise_exact(tmp_path):
-    script = tmp_path / "resume.py"
-    script.write_text(RESUME_SCRIPT.format(tests=str(Path(__file__).parent)))
-    ckpt = str(tmp_path / "ckpt.pt")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for mode in ("first", "second"):
-        subprocess.run([sys.executable, str(script), mode, ckpt], check=True, env=env, timeout=300)
-    seed_all(0)
-    full = make_trainer("fp16")
-    full.fit(loader(), epochs=2, progress=False)
-    for p, q in zip(full.model.parameters(), torch.load(ckpt + ".params")):
-        assert torch.equal(p, q)
 
 
 def test_history_keys_and_metrics_match_evaluate():
@@ -200,103 +92,6 @@ def test_max_steps_caps_the_total_and_callbacks_fire():
     assert [h["complete"] for h in history] == [True, False]
 
 
-def test_scaler_state_survives_save_and_load(tmp_path):
-    trainer = make_trainer("fp16")
-    armed = {"on": True}
-    trainer.model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if armed["on"] else g)
-    data = list(DataLoader(dataset(), batch_size=4))
-    trainer.step(data[0])
-    armed["on"] = False
-    for b in data[1:4]:
-        trainer.step(b)
-    state = trainer.scaler.state_dict()
-    assert state["scale"] == 2.0**15 and state["_growth_tracker"] == 3
-    trainer.save(tmp_path / "c.pt")
-    fresh = make_trainer("fp16", seed=5)
-    fresh.load(tmp_path / "c.pt")
-    assert fresh.scaler.state_dict() == state
-    assert fresh.stats.skipped == 1 and fresh.stats.steps == 4 and fresh.stats.min_scale == 2.0**15
-
-
-def test_checkpoint_is_weights_only_loadable(tmp_path):
-    trainer = make_trainer("fp16")
-    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
-    trainer.save(tmp_path / "c.pt")
-    state = torch.load(tmp_path / "c.pt", weights_only=True)
-    assert state["precision"] == "fp16" and state["counters"]["global_step"] == 2
-    assert set(state["rng"]) >= {"torch", "python", "numpy"} and state["scaler"]["scale"] > 0
-
-
-def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
-    trainer = make_trainer("bf16")
-    path = tmp_path / "c.pt"
-    trainer.save(path)
-    before = path.read_bytes()
-    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
-
-    def broken_save(obj, f, *args, **kwargs):
-        f.write(b"half a checkpoint")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        trainer.save(path)
-    assert path.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"], "the temporary file was left behind"
-
-
-def test_bad_checkpoint_files_get_clear_errors(tmp_path):
-    trainer = make_trainer("bf16")
-    good = tmp_path / "good.pt"
-    trainer.save(good)
-    truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
-    garbage = tmp_path / "garbage.pt"
-    garbage.write_bytes(os.urandom(256))
-    pickled_garbage = tmp_path / "pickled-garbage.pt"
-    pickled_garbage.write_bytes(b"\x80\x02" + bytes(range(256)))  # starts like a pickle, then nonsense
-    foreign = tmp_path / "foreign.pt"
-    torch.save({"weights": torch.zeros(2)}, foreign)
-    for path, message in ((truncated, "truncated"), (garbage, "truncated"), (pickled_garbage, "truncated"),
-                          (foreign, "not a precisionloop checkpoint")):
-        with pytest.raises(ValueError, match=message) as info:
-            trainer.load(path)
-        assert str(path) in str(info.value)
-        assert info.value.__cause__ is None and (info.value.__context__ is None or info.value.__suppress_context__)
-    with pytest.raises(FileNotFoundError, match="missing.pt"):
-        trainer.load(tmp_path / "missing.pt")
-
-
-def test_loading_under_another_precision_warns_with_both_names(tmp_path):
-    trainer = make_trainer("fp16")
-    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
-    trainer.save(tmp_path / "c.pt")
-    other = make_trainer("bf16")
-    with pytest.warns(UserWarning, match="'fp16'.*'bf16'"):
-        other.load(tmp_path / "c.pt")
-    for p, q in zip(trainer.model.parameters(), other.model.parameters()):
-        assert torch.equal(p, q)
-
-
-def test_periodic_checkpoints_rotate(tmp_path):
-    trainer = make_trainer("bf16")
-    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, checkpoint_dir=tmp_path, checkpoint_every=3, keep_last=2,
-                progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006.pt", "step-00000009.pt"]
-    fresh = make_trainer("bf16")
-    fresh.load(tmp_path / "step-00000009.pt")
-    assert fresh.global_step == 9 and fresh.batch_in_epoch == 9
-
-
-def test_save_inside_an_accumulation_window_is_refused(tmp_path):
-    trainer = make_trainer("fp32", grad_accum_steps=2)
-    trainer.step(next(iter(DataLoader(dataset(), batch_size=4))))
-    with pytest.raises(RuntimeError, match="accumulation window"):
-        trainer.save(tmp_path / "c.pt")
-    trainer.flush()
-    trainer.save(tmp_path / "c.pt")
-
-
 def test_fit_rejects_bad_arguments(tmp_path):
     trainer = make_trainer("fp32")
     data = DataLoader(dataset(), batch_size=4)
@@ -310,16 +105,6 @@ def test_fit_rejects_bad_arguments(tmp_path):
         trainer.fit(data, max_steps=0, progress=False)
     with pytest.raises(ValueError, match="epochs"):
         trainer.fit(data, epochs=-1, progress=False)
-
-
-def test_resume_with_fewer_batches_is_an_error(tmp_path):
-    trainer = make_trainer("fp32")
-    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=7, progress=False)
-    trainer.save(tmp_path / "c.pt")
-    other = make_trainer("fp32")
-    other.load(tmp_path / "c.pt")
-    with pytest.raises(ValueError, match="only 5 batches"):
-        other.fit(DataLoader(dataset(20), batch_size=4), epochs=1, progress=False)
 
 
 def test_max_steps_on_the_last_batch_completes_the_epoch():
@@ -394,36 +179,6 @@ def test_a_generator_loader_stopped_by_max_steps_leaves_the_callers_flags(caller
     assert trainer.global_step == 3 and read_flags() == callers_flags
 
 
-def test_a_skip_limit_reached_before_fit_raises_before_the_loader_is_opened(monkeypatch):
-    from precisionloop import engine
-
-    class InFlight(engine._HostCopy):  # as on CUDA: the last skip is not booked when fit begins
-        def __init__(self, row):
-            super().__init__(row)
-            self.event = type("Event", (), {"synchronize": lambda self: None})()
-
-    monkeypatch.setattr(engine, "_HostCopy", InFlight)
-    model = tiny_mlp()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", max_consecutive_skips=3)
-    model[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
-    for b in batches(3):
-        assert trainer.step(b).skipped
-
-    class Loader:
-        opened = False
-
-        def __len__(self):
-            return 2
-
-        def __iter__(self):  # a DataLoader starts its workers here
-            Loader.opened = True
-            return iter(batches(2))
-
-    with pytest.raises(RuntimeError, match="3 optimizer steps in a row"):
-        trainer.fit(Loader(), epochs=1, progress=False)
-    assert not Loader.opened and trainer.global_step == 3
-
-
 def test_a_failed_end_of_epoch_flush_is_replayed_by_the_next_fit(monkeypatch):
     # The last window is partial, so the epoch ends with flush(); an interrupt before its optimizer update drops
     # the window, and the next fit must train those batches again rather than resume past them.
@@ -454,15 +209,6 @@ def test_a_failed_end_of_epoch_flush_is_replayed_by_the_next_fit(monkeypatch):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
 
 
-# The scheduler's interval: "step" after every optimizer step taken, "epoch" at each epoch's end of fit.
-
-def _scheduled(interval, gamma=0.5):
-    model = dropout_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
-    return Trainer(model, opt, "fp32", device="cpu", scheduler=sched, scheduler_interval=interval)
-
-
 def test_an_epoch_scheduler_steps_once_per_epoch_of_fit():
     trainer = _scheduled("epoch")
     lrs = []
@@ -480,32 +226,6 @@ def test_a_step_scheduler_steps_after_every_optimizer_step():
     trainer = _scheduled("step")
     trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False)
     assert trainer.scheduler.last_epoch == 10 and trainer.optimizer.param_groups[0]["lr"] == 0.5 ** 10
-
-
-def test_an_epoch_scheduler_resumes_exactly_mid_epoch(tmp_path):
-    loader = DataLoader(dataset(), batch_size=4, shuffle=True)
-    torch.manual_seed(0)
-    full = _scheduled("epoch")
-    full.fit(loader, epochs=2, progress=False)
-    torch.manual_seed(0)
-    first = _scheduled("epoch")
-    first.fit(loader, epochs=2, max_steps=13, progress=False)  # stops in the second epoch
-    first.save(tmp_path / "mid.pt")
-    resumed = _scheduled("epoch")
-    resumed.load(tmp_path / "mid.pt")
-    resumed.fit(loader, epochs=2, progress=False)
-    assert resumed.scheduler.last_epoch == full.scheduler.last_epoch == 2
-    assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), full.model.parameters()))
-
-
-def test_a_checkpoint_keeps_its_scheduler_interval(tmp_path):
-    saved = _scheduled("epoch")
-    saved.save(tmp_path / "epoch.pt")
-    other = _scheduled("step")
-    before = [p.detach().clone() for p in other.model.parameters()]
-    with pytest.raises(ValueError, match="scheduler_interval='epoch'.*nothing was loaded"):
-        other.load(tmp_path / "epoch.pt")
-    assert all(torch.equal(p, q) for p, q in zip(other.model.parameters(), before))
 
 
 def test_fit_stopped_by_max_steps_mid_epoch_still_validates():
@@ -604,3 +324,168 @@ def test_the_tensorboard_logger_writes_scalars_or_names_its_extra(tmp_path):
     make_trainer("bf16").fit(DataLoader(dataset(), batch_size=4), progress=False, loggers=[logger], log_every=5)
     logger.close()
     assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+class ModeProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.seen = []  # (training, grad enabled) per forward
+
+    def forward(self, x):
+        self.seen.append((self.training, torch.is_grad_enabled()))
+        return x
+
+
+def test_fit_trains_in_train_mode():
+    """fit() trains in train mode even after model.eval(); validation is in eval mode."""
+    torch.manual_seed(0)
+    probe = ModeProbe()
+    model = nn.Sequential(nn.Linear(8, 16), probe, nn.ReLU(), nn.Linear(16, 3))
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    model.eval()
+    t.fit([batch(2), batch(3)], epochs=1, val_loader=[batch(4)], progress=False)
+    train = [training for training, grad in probe.seen if grad]
+    val = [training for training, grad in probe.seen if not grad]
+    assert len(train) == 2 and len(val) == 1
+    assert all(train), f"training forwards saw training={train}"
+    assert not any(val)
+
+
+def shuffled_loader():
+    # Shuffled by the global RNG (no explicit generator): the order fit() replays on resume.
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 8, generator=g)
+    return DataLoader(TensorDataset(x, torch.randint(0, 3, (24,), generator=g)), batch_size=4, shuffle=True)
+
+
+@pytest.mark.parametrize("accum, nth", [(1, 4), (2, 3), (2, 4)], ids=["accum1", "accum2-window-start", "accum2-mid-window"])
+def test_interrupt_in_backward_leaks_no_partial_gradient(accum, nth):
+    """A KeyboardInterrupt in backward leaves no partial .grad; resuming fit matches."""
+    loader = shuffled_loader()
+    torch.manual_seed(5)
+    ref_m, ref = mk(grad_accum_steps=accum)
+    torch.manual_seed(5)
+    ref.fit(loader, epochs=2, progress=False)
+
+    m, t = mk(grad_accum_steps=accum)
+    torch.manual_seed(5)
+    calls = [0]
+
+    def interrupt(g):
+        calls[0] += 1
+        if calls[0] == nth:  # layer 0's weight gets its gradient last in backward: the others have theirs
+            raise KeyboardInterrupt
+        return g
+
+    handle = m[0].weight.register_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(loader, epochs=2, progress=False)
+    handle.remove()
+    t.fit(loader, epochs=2, progress=False)
+    assert t.global_step == ref.global_step
+    assert same_models(m, ref_m)
+
+
+def test_end_of_epoch_flush_counts_like_any_step(tmp_path):
+    """The end-of-epoch flush reaches callbacks and periodic checkpoints."""
+    _, t = mk(grad_accum_steps=2)
+
+    class Due:
+        n = 0
+
+        def on_step_end(self, trainer, result):
+            Due.n += bool(result.due)
+
+    t.fit([batch(i) for i in range(5)], epochs=2, progress=False, callbacks=[Due()],
+          checkpoint_dir=tmp_path, checkpoint_every=3)
+    assert t.global_step == 6
+    assert Due.n == t.global_step
+    assert (tmp_path / "step-00000003.pt").is_file()
+    assert (tmp_path / "step-00000006.pt").is_file()
+
+
+def plateau(optimizer):
+    # threshold_mode="abs" with a huge threshold: no epoch after the first counts as better,
+    # whatever the loss, so with patience=0 the LR halves after every epoch after the first.
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0,
+                                                      threshold=1e9, threshold_mode="abs")
+
+
+def with_plateau():
+    m = net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    return m, Trainer(m, opt, "fp32", device="cpu", scheduler=plateau(opt))
+
+
+def test_reduce_lr_on_plateau_steps_with_val_loss_each_epoch():
+    """fit steps ReduceLROnPlateau with the validation loss at each epoch end."""
+    m, t = with_plateau()
+    data, val = [batch(2), batch(3)], [batch(4)]
+    lrs, history = [], []
+    for epochs in (1, 2, 3):
+        history += t.fit(data, epochs=epochs, val_loader=val, progress=False)
+        lrs.append(t.optimizer.param_groups[0]["lr"])
+    assert lrs == [0.1, 0.05, 0.025]
+    assert t.scheduler.best == pytest.approx(history[0]["val_loss"], rel=1e-6)
+
+
+def test_reduce_lr_on_plateau_needs_val_loader():
+    """fit with ReduceLROnPlateau and no val_loader is a ValueError before training."""
+    m, t = with_plateau()
+    before = params_of(m)
+    with pytest.raises(ValueError) as info:
+        t.fit([batch(2), batch(3)], epochs=1, progress=False)
+    assert "ReduceLROnPlateau" in str(info.value) and "val_loader" in str(info.value)
+    assert same_params(m, before) and t.global_step == 0
+
+
+def test_step_alone_never_steps_reduce_lr_on_plateau():
+    """Trainer.step never steps a ReduceLROnPlateau."""
+    m, t = with_plateau()
+    for i in range(3):
+        assert t.step(batch(i)).stepped
+    assert t.optimizer.param_groups[0]["lr"] == 0.1
+    assert t.scheduler.last_epoch == 0
+
+
+class PlusTen(Trainer):
+    def compute_loss(self, batch):
+        return super().compute_loss(batch) + 10
+
+
+def test_evaluate_uses_overridden_compute_loss():
+    """evaluate() uses an overridden compute_loss."""
+    m = net()
+    t = PlusTen(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu")
+    with torch.no_grad():
+        plain = F.cross_entropy(m(B[0]), B[1]).item()
+    assert t.evaluate([B])["val_loss"] == pytest.approx(plain + 10, rel=1e-6)
+
+
+def test_fit_validation_uses_overridden_compute_loss():
+    """With lr=0, fit's val_loss (through compute_loss) equals its train_loss."""
+    m = net()
+    t = PlusTen(m, torch.optim.SGD(m.parameters(), lr=0.0), "fp32", device="cpu")
+    record = t.fit([B], epochs=1, val_loader=[B], progress=False)[0]
+    assert record["train_loss"] > 10
+    assert record["val_loss"] == pytest.approx(record["train_loss"], rel=1e-6)
+
+
+def test_dict_batch_subclass_works_everywhere():
+    """A dict-batch subclass works in step, fit(+val, underflow_every) and evaluate(+metric)."""
+    m = net()
+    t = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu")
+    assert t.step(dict_batch(1)).stepped
+    history = t.fit([dict_batch(2), dict_batch(3)], epochs=1, val_loader=[dict_batch(4)], progress=False,
+                    underflow_every=1)
+    assert "val_loss" in history[0] and len(t.underflow_history) == 2
+    result = t.evaluate([dict_batch(5)], metrics={"acc": MulticlassAccuracy(num_classes=3)})
+    assert 0.0 <= result["acc"] <= 1.0
+
+
+def test_an_empty_validation_batch_does_not_make_the_loss_nan():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    x, y = batches(1)[0]
+    result = trainer.evaluate([(x, y), (x[:0], y[:0])])
+    assert result["val_loss"] == pytest.approx(trainer.evaluate([(x, y)])["val_loss"])

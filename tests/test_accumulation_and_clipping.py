@@ -1,0 +1,88 @@
+"""Gradient accumulation (windows, flush) and gradient clipping on unscaled gradients."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from conftest import B, batches, tiny_mlp, unfrozen_late
+
+from precisionloop import Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
+
+
+def test_clipping_uses_unscaled_gradients():
+    data = batches(1)
+    model, reference = tiny_mlp(), tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16", device="cpu", max_grad_norm=1e9)
+    result = trainer.step(data[0])
+    x, y = data[0]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(reference(x), y)
+    loss.backward()
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in reference.parameters()]))
+    assert result.grad_norm == pytest.approx(float(expected), rel=1e-3)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_accumulation_equals_one_large_batch(precision):
+    (x, y), = batches(1, batch_size=8)
+    big, small = tiny_mlp(), tiny_mlp()
+    Trainer(big, torch.optim.SGD(big.parameters(), lr=0.5), precision, device="cpu").step((x, y))
+    trainer = Trainer(small, torch.optim.SGD(small.parameters(), lr=0.5), precision, device="cpu", grad_accum_steps=4)
+    results = [trainer.step((x[i:i + 2], y[i:i + 2])) for i in range(0, 8, 2)]
+    assert [r.stepped for r in results] == [False, False, False, True]
+    tol = dict(atol=1e-6, rtol=1e-5) if precision == "fp32" else dict(atol=2e-3, rtol=1e-2)
+    for p, q in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(p, q, **tol)
+
+
+def test_flush_steps_a_partial_window_as_its_mean():
+    (x, y), = batches(1, batch_size=6)
+    big, small = tiny_mlp(), tiny_mlp()
+    Trainer(big, torch.optim.SGD(big.parameters(), lr=0.5), "fp32", device="cpu").step((x, y))
+    trainer = Trainer(small, torch.optim.SGD(small.parameters(), lr=0.5), "fp32", device="cpu", grad_accum_steps=4)
+    assert trainer.flush() is None
+    for i in range(0, 6, 2):
+        assert not trainer.step((x[i:i + 2], y[i:i + 2])).stepped
+    assert trainer.flush().stepped
+    assert trainer.flush() is None
+    for p, q in zip(big.parameters(), small.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_late_unfrozen_parameter_is_clipped():
+    """max_grad_norm clips a late-added parameter's gradient too."""
+    m, t = unfrozen_late("fp32", max_grad_norm=0.01)
+    ref = copy.deepcopy(m)
+    result = t.step(B)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    F.cross_entropy(ref(B[0]), B[1]).backward()
+    total = nn.utils.clip_grad_norm_(list(ref.parameters()), 0.01)
+    ref_opt.step()
+    assert result.grad_norm == pytest.approx(float(total), rel=1e-5)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_an_error_before_the_step_keeps_the_batch_count_in_step_with_the_window():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", grad_accum_steps=2)
+    good, empty = (torch.randn(4, 8), torch.randint(0, 3, (4,))), (torch.randn(0, 8), torch.randint(0, 3, (0,)))
+    with pytest.raises(ValueError, match="empty"):
+        trainer.fit([good, empty, good, good], epochs=1, progress=False)
+    # batch 0 was stepped into the still-open window; the empty batch was not consumed
+    assert trainer.batch_in_epoch == 1 and trainer.engine.micro == 1
+
+
+@pytest.mark.gpu
+def test_flush_of_an_open_window_on_cuda():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cuda", grad_accum_steps=2)
+    trainer.step(batches(1)[0])
+    result = trainer.flush()
+    assert result.stepped and trainer.global_step == 1
+    assert trainer.fit(batches(3), progress=False)[0]["steps"] == 2  # an epoch that ends on an open window

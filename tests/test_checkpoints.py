@@ -1,0 +1,687 @@
+"""Checkpoints: save and load, bitwise-exact resume, atomic saves and file modes, all-or-nothing loads, and the
+checks a loaded state must pass.
+
+The load checks: each case takes a good state saved after one step, damages one entry, and loads it into a
+Trainer that has taken three: a load that failed half-way would leave that Trainer with some of the older state.
+Without these checks a state lacking "rng", "counters" or "stats" loaded the weights, the optimizer and the
+step count, then raised a KeyError; int64 weights were truncated into the model; an optimizer moment of the
+wrong shape, or an LR of "fast", failed at the next step instead of at the load.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from conftest import B, X, Y, _params, _scheduled, _trainer, batch, batches, dataset, make_trainer, mk, opt_state, params_of, same_models, same_params, same_state, seed_all, tiny_mlp
+
+from precisionloop import Trainer
+from precisionloop.guard import fuse_default_optimizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
+
+
+class NoisyDataset(Dataset):
+    """Draws from torch, numpy and Python RNGs while loading, like random augmentation does."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        noise = 0.01 * (torch.randn(()) + float(np.random.randn()) + random.random())
+        return x + noise, y
+
+
+def loader():
+    # A shuffled DataLoader with no explicit generator: its order comes from the global RNG.
+    return DataLoader(NoisyDataset(dataset()), batch_size=4, shuffle=True)
+
+
+@pytest.mark.parametrize("grad_accum_steps", [1, 3])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_mid_epoch_resume_is_bitwise_exact(tmp_path, precision, grad_accum_steps):
+    seed_all(0)
+    full = make_trainer(precision, grad_accum_steps=grad_accum_steps)
+    full.fit(loader(), epochs=3, progress=False)
+
+    seed_all(0)
+    first = make_trainer(precision, grad_accum_steps=grad_accum_steps)
+    first.fit(loader(), epochs=3, max_steps=5, progress=False)  # stops inside epoch 2 (4 steps/epoch) or 1
+    assert first.batch_in_epoch > 0, "the test must stop mid-epoch"
+    first.save(tmp_path / "ckpt.pt")
+
+    seed_all(12345)  # a fresh process would start from some other RNG state
+    resumed = make_trainer(precision, seed=7, grad_accum_steps=grad_accum_steps)
+    resumed.load(tmp_path / "ckpt.pt")
+    resumed.fit(loader(), epochs=3, progress=False)
+
+    assert resumed.global_step == full.global_step and resumed.epoch == 3
+    for p, q in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+    assert resumed.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
+    if precision == "fp16":
+        assert resumed.scaler.get_scale() == full.scaler.get_scale()
+
+
+RESUME_SCRIPT = textwrap.dedent("""
+    import random, sys, numpy as np, torch
+    sys.path.insert(0, {tests!r})
+    from test_checkpoints import make_trainer, loader, seed_all
+    mode, path = sys.argv[1], sys.argv[2]
+    if mode == "first":
+        seed_all(0)
+        t = make_trainer("fp16")
+        t.fit(loader(), epochs=2, max_steps=6, progress=False)
+        t.save(path)
+    else:
+        t = make_trainer("fp16", seed=99)
+        t.load(path)
+        t.fit(loader(), epochs=2, progress=False)
+        torch.save([p.detach() for p in t.model.parameters()], path + ".params")
+""")
+
+
+def test_resume_in_a_fresh_process_is_bitwise_exact(tmp_path):
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT.format(tests=str(Path(__file__).parent)))
+    ckpt = str(tmp_path / "ckpt.pt")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for mode in ("first", "second"):
+        subprocess.run([sys.executable, str(script), mode, ckpt], check=True, env=env, timeout=300)
+    seed_all(0)
+    full = make_trainer("fp16")
+    full.fit(loader(), epochs=2, progress=False)
+    for p, q in zip(full.model.parameters(), torch.load(ckpt + ".params")):
+        assert torch.equal(p, q)
+
+
+def test_scaler_state_survives_save_and_load(tmp_path):
+    trainer = make_trainer("fp16")
+    armed = {"on": True}
+    trainer.model[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")) if armed["on"] else g)
+    data = list(DataLoader(dataset(), batch_size=4))
+    trainer.step(data[0])
+    armed["on"] = False
+    for b in data[1:4]:
+        trainer.step(b)
+    state = trainer.scaler.state_dict()
+    assert state["scale"] == 2.0**15 and state["_growth_tracker"] == 3
+    trainer.save(tmp_path / "c.pt")
+    fresh = make_trainer("fp16", seed=5)
+    fresh.load(tmp_path / "c.pt")
+    assert fresh.scaler.state_dict() == state
+    assert fresh.stats.skipped == 1 and fresh.stats.steps == 4 and fresh.stats.min_scale == 2.0**15
+
+
+def test_checkpoint_is_weights_only_loadable(tmp_path):
+    trainer = make_trainer("fp16")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
+    trainer.save(tmp_path / "c.pt")
+    state = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert state["precision"] == "fp16" and state["counters"]["global_step"] == 2
+    assert set(state["rng"]) >= {"torch", "python", "numpy"} and state["scaler"]["scale"] > 0
+
+
+def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
+    trainer = make_trainer("bf16")
+    path = tmp_path / "c.pt"
+    trainer.save(path)
+    before = path.read_bytes()
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
+
+    def broken_save(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt"], "the temporary file was left behind"
+
+
+def test_bad_checkpoint_files_get_clear_errors(tmp_path):
+    trainer = make_trainer("bf16")
+    good = tmp_path / "good.pt"
+    trainer.save(good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(os.urandom(256))
+    pickled_garbage = tmp_path / "pickled-garbage.pt"
+    pickled_garbage.write_bytes(b"\x80\x02" + bytes(range(256)))  # starts like a pickle, then nonsense
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    for path, message in ((truncated, "truncated"), (garbage, "truncated"), (pickled_garbage, "truncated"),
+                          (foreign, "not a precisionloop checkpoint")):
+        with pytest.raises(ValueError, match=message) as info:
+            trainer.load(path)
+        assert str(path) in str(info.value)
+        assert info.value.__cause__ is None and (info.value.__context__ is None or info.value.__suppress_context__)
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        trainer.load(tmp_path / "missing.pt")
+
+
+def test_loading_under_another_precision_warns_with_both_names(tmp_path):
+    trainer = make_trainer("fp16")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
+    trainer.save(tmp_path / "c.pt")
+    other = make_trainer("bf16")
+    with pytest.warns(UserWarning, match="'fp16'.*'bf16'"):
+        other.load(tmp_path / "c.pt")
+    for p, q in zip(trainer.model.parameters(), other.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_periodic_checkpoints_rotate(tmp_path):
+    trainer = make_trainer("bf16")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, checkpoint_dir=tmp_path, checkpoint_every=3, keep_last=2,
+                progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006.pt", "step-00000009.pt"]
+    fresh = make_trainer("bf16")
+    fresh.load(tmp_path / "step-00000009.pt")
+    assert fresh.global_step == 9 and fresh.batch_in_epoch == 9
+
+
+def test_save_inside_an_accumulation_window_is_refused(tmp_path):
+    trainer = make_trainer("fp32", grad_accum_steps=2)
+    trainer.step(next(iter(DataLoader(dataset(), batch_size=4))))
+    with pytest.raises(RuntimeError, match="accumulation window"):
+        trainer.save(tmp_path / "c.pt")
+    trainer.flush()
+    trainer.save(tmp_path / "c.pt")
+
+
+def test_resume_with_fewer_batches_is_an_error(tmp_path):
+    trainer = make_trainer("fp32")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=7, progress=False)
+    trainer.save(tmp_path / "c.pt")
+    other = make_trainer("fp32")
+    other.load(tmp_path / "c.pt")
+    with pytest.raises(ValueError, match="only 5 batches"):
+        other.fit(DataLoader(dataset(20), batch_size=4), epochs=1, progress=False)
+
+
+def test_an_epoch_scheduler_resumes_exactly_mid_epoch(tmp_path):
+    loader = DataLoader(dataset(), batch_size=4, shuffle=True)
+    torch.manual_seed(0)
+    full = _scheduled("epoch")
+    full.fit(loader, epochs=2, progress=False)
+    torch.manual_seed(0)
+    first = _scheduled("epoch")
+    first.fit(loader, epochs=2, max_steps=13, progress=False)  # stops in the second epoch
+    first.save(tmp_path / "mid.pt")
+    resumed = _scheduled("epoch")
+    resumed.load(tmp_path / "mid.pt")
+    resumed.fit(loader, epochs=2, progress=False)
+    assert resumed.scheduler.last_epoch == full.scheduler.last_epoch == 2
+    assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), full.model.parameters()))
+
+
+def test_a_checkpoint_keeps_its_scheduler_interval(tmp_path):
+    saved = _scheduled("epoch")
+    saved.save(tmp_path / "epoch.pt")
+    other = _scheduled("step")
+    before = [p.detach().clone() for p in other.model.parameters()]
+    with pytest.raises(ValueError, match="scheduler_interval='epoch'.*nothing was loaded"):
+        other.load(tmp_path / "epoch.pt")
+    assert all(torch.equal(p, q) for p, q in zip(other.model.parameters(), before))
+
+
+BATCH = (torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0]))
+
+
+def _adam_trainer(precision: str = "fp16") -> Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    return Trainer(model, torch.optim.Adam(model.parameters(), lr=0.1), precision, device="cpu")
+
+
+def _everything(t: Trainer) -> dict:
+    """What a load can change: weights, optimizer state and groups, scheduler-free counters, stats, scale, RNGs."""
+    return copy.deepcopy({
+        "weights": [p.detach().clone() for p in t.model.parameters()],
+        "optimizer": t.optimizer.state_dict(),
+        "steps": (t.engine.global_step, t.engine.consecutive_skips, t.loop_state.epoch, t.loop_state.batch_in_epoch),
+        "stats": t.stats,
+        "scale": t.engine.guard.scale_value(),
+        "rng": (torch.get_rng_state(), random.getstate()),
+    })
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _pop(key):
+    return lambda s: s.pop(key)
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def damage(s):
+        for key in path[:-1]:
+            s = s[key]
+        s[path[-1]] = value(s[path[-1]]) if callable(value) else value
+    return damage
+
+
+DAMAGES = {
+    "no rng": (_pop("rng"), "'rng' is missing"),
+    "no counters": (_pop("counters"), "'counters' is missing"),
+    "no stats": (_pop("stats"), "'stats' is missing"),
+    "no optimizer": (_pop("optimizer"), "'optimizer' is missing"),
+    "step count a string": (_set("counters", "global_step", "3"), "global_step"),
+    "collapse_warned an int": (_set("counters", "collapse_warned", 1), "collapse_warned"),
+    "stats with an extra field": (_set("stats", "extra", 0), "'stats' has the fields"),
+    "stats count a string": (_set("stats", "steps", "x"), "stats\\['steps'\\]"),
+    "torch RNG cut short": (_set("rng", "torch", lambda t: t[:100]), "'rng' does not restore"),
+    "python RNG not a triple": (_set("rng", "python", [1, 2]), "'rng' does not restore"),
+    "int64 weights": (_set("model", "weight", lambda t: t.long()), "weight is torch.int64, the model's torch.float32"),
+    "fp64 weights": (_set("model", "bias", lambda t: t.double()), "bias is torch.float64"),
+    "a moment of another shape": (_set("optimizer", "state", "weight", "exp_avg", torch.zeros(7)),
+                                  "'exp_avg' has shape \\[7\\]"),
+    "an LR of 'fast'": (_set("optimizer", "param_groups", 0, "lr", "fast"), "param_groups\\[0\\]\\['lr'\\]"),
+    "betas of one": (_set("optimizer", "param_groups", 0, "betas", (0.9,)), "betas"),
+    "a scaler state without its keys": (_set("scaler", {"scale": 1.0}), "'scaler' is"),
+    # numpy does not range-check it: the next draw crashed the process
+    "a numpy RNG position past its key": (_set("rng", "numpy", "pos", 10**9), "numpy state"),
+    "CUDA RNG states not a list": (_set("rng", "cuda", torch.zeros(16, dtype=torch.uint8)), "CUDA states"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGES))
+def test_a_damaged_state_is_refused_and_changes_nothing(case):
+    damage, message = DAMAGES[case]
+    source = _adam_trainer()
+    source.step(BATCH)
+    state = copy.deepcopy(source.state_dict())
+    damage(state)
+
+    t = _adam_trainer()
+    for _ in range(3):
+        t.step(BATCH)
+    before = _everything(t)
+    with pytest.raises(ValueError, match=message) as error:
+        t.load_state_dict(state)
+    assert "nothing was loaded" in str(error.value)
+    assert _same(_everything(t), before)
+    assert t.step(BATCH).stepped  # and it trains on
+
+
+@pytest.mark.parametrize("foreign", [None, "state", 3])
+def test_what_is_not_a_trainer_state_is_named(foreign):
+    t = _adam_trainer("bf16")
+    value = t.model.state_dict() if foreign == "state" else foreign
+    with pytest.raises(ValueError, match="not a precisionloop Trainer state .* got a"):
+        t.load_state_dict(value)
+
+
+def test_a_good_state_still_loads_into_a_fresh_trainer_and_one_that_stepped():
+    source = _adam_trainer()
+    source.step(BATCH)
+    state = copy.deepcopy(source.state_dict())
+    for steps in (0, 3):
+        t = _adam_trainer()
+        for _ in range(steps):
+            t.step(BATCH)
+        t.load_state_dict(copy.deepcopy(state))
+        assert t.engine.global_step == 1 and _same(list(t.model.parameters()), list(source.model.parameters()))
+
+
+def test_a_third_party_optimizer_may_keep_state_of_any_shape():
+    """Shapes are checked against the parameter for torch's own optimizers only (others keep preconditioners)."""
+
+    class Preconditioned(torch.optim.SGD):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self.state[p].setdefault("gram", torch.zeros(p.numel(), p.numel()))
+            return super().step(closure)
+
+    Preconditioned.__module__ = "somewhere.else"
+
+    def make() -> Trainer:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        return Trainer(model, Preconditioned(model.parameters(), lr=0.1), "bf16", device="cpu")
+
+    source = make()
+    source.step(BATCH)
+    fresh = make()
+    fresh.load_state_dict(copy.deepcopy(source.state_dict()))
+    assert fresh.optimizer.state[fresh.model.weight]["gram"].shape == (12, 12)
+
+
+def test_what_older_or_other_runs_saved_still_loads():
+    """A saved scaler of {} (GradScaler(enabled=False)), stats without a field added later, and a setting left
+    unset on one side (None) load as before the checks."""
+    source = _adam_trainer()
+    source.step(BATCH)
+    state = copy.deepcopy(source.state_dict())
+    state["scaler"] = {}
+    del state["stats"]["max_scale"]
+    state["optimizer"]["param_groups"][0]["maximize"] = None
+    t = _adam_trainer()
+    t.load_state_dict(state)
+    assert t.engine.global_step == 1
+
+
+def test_muon_with_an_unset_option_loads_into_one_that_sets_it():
+    def make(adjust):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3, bias=False)
+        return Trainer(model, torch.optim.Muon(model.parameters(), lr=0.01, adjust_lr_fn=adjust), "bf16", device="cpu")
+
+    source = make(None)
+    source.step(BATCH)
+    t = make("match_rms_adamw")
+    t.load_state_dict(copy.deepcopy(source.state_dict()))
+    assert t.engine.global_step == 1
+
+
+def test_a_pending_autotune_checks_the_scaler_of_the_policy_it_takes_from_the_checkpoint():
+    source = _adam_trainer("fp16")
+    source.step(BATCH)
+    state = copy.deepcopy(source.state_dict())
+    del state["scaler"]["scale"]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    t = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.1), "auto", autotune=True, device="cpu")
+    policy, weights = t.policy, [p.detach().clone() for p in t.model.parameters()]
+    with pytest.raises(ValueError, match="'scaler' is .*nothing was loaded"):
+        t.load_state_dict(state)
+    assert t.policy is policy and all(torch.equal(a, b) for a, b in zip(t.model.parameters(), weights))
+
+
+def test_a_model_the_user_compiled_resumes_exactly():
+    """torch.compile(model) passed in: its names carry _orig_mod., the saved state's do not. It saved, but no load
+    fitted (\"missing _orig_mod.0.weight\"), and keep_fp32 patterns had to name the wrapper's prefix."""
+    from precisionloop import BF16Policy
+
+    def make() -> Trainer:
+        torch.manual_seed(0)
+        model = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+        return Trainer(model, torch.optim.Adam(model.parameters(), lr=0.1), BF16Policy(keep_fp32=("2",)), device="cpu")
+
+    straight = make()
+    straight.step(BATCH)
+    state = copy.deepcopy(straight.state_dict())
+    for _ in range(2):
+        straight.step(BATCH)
+    resumed = make()
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        resumed.step(BATCH)
+    assert _same(list(resumed.model.parameters()), list(straight.model.parameters()))
+    assert resumed.stats == straight.stats
+
+
+def momentum_sgd(params, lr):
+    return torch.optim.SGD(params, lr, momentum=0.9)
+
+
+def test_save_before_first_step_changes_nothing(tmp_path):
+    """save() before the first step does not change training."""
+    m, t = mk()
+    t.save(tmp_path / "early.pt")
+    t.step(batch(2))
+    t.step(batch(3))
+    ref_m, ref = mk()
+    ref.step(batch(2))
+    ref.step(batch(3))
+    assert float(t.optimizer.state[m[0].weight]["step"]) == 2
+    assert same_state(t.optimizer.state_dict(), ref.optimizer.state_dict())
+    assert same_models(m, ref_m)
+
+
+def test_failed_load_changes_nothing(tmp_path):
+    """A load() that fails (other output width) is all or nothing."""
+    other_m, other = mk(out=5)
+    other.step((B[0], B[1] % 5))
+    other.save(tmp_path / "wide.pt")
+    torch.manual_seed(123)  # other weights than the checkpoint's
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 3))
+    t = Trainer(m, torch.optim.AdamW(m.parameters(), lr=0.1), "fp32", device="cpu")
+    t.step(B)
+    before, state = params_of(m), opt_state(t.optimizer)
+    with pytest.raises(Exception):
+        t.load(tmp_path / "wide.pt")
+    assert torch.equal(m[0].weight, before[0]) and torch.equal(m[0].bias, before[1]), "layer 0 was overwritten"
+    assert same_params(m, before)
+    assert same_state(t.optimizer.state_dict(), state)
+
+
+def test_load_from_another_optimizer_class_is_a_value_error(tmp_path):
+    """A checkpoint from another optimizer class raises ValueError naming both."""
+    _, sgd = mk(opt=momentum_sgd)
+    sgd.step(B)
+    sgd.save(tmp_path / "sgd.pt")
+    torch.manual_seed(123)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 3))
+    t = Trainer(m, torch.optim.AdamW(m.parameters(), lr=0.1), "fp32", device="cpu")
+    t.step(B)
+    before, state, step = params_of(m), opt_state(t.optimizer), t.global_step
+    with pytest.raises(ValueError) as info:
+        t.load(tmp_path / "sgd.pt")
+    assert "SGD" in str(info.value) and "AdamW" in str(info.value)
+    assert same_params(m, before)
+    assert same_state(t.optimizer.state_dict(), state)
+    assert t.global_step == step
+
+
+def test_load_discards_an_open_accumulation_window(tmp_path):
+    """load() discards the gradients of an open accumulation window."""
+    m, t = mk(grad_accum_steps=2)
+    t.step(batch(2))
+    t.step(batch(3))
+    t.save(tmp_path / "ckpt.pt")
+    t.step(batch(4))  # opens a window
+    t.load(tmp_path / "ckpt.pt")
+    torch.manual_seed(99)
+    fresh_m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 3))
+    fresh = Trainer(fresh_m, torch.optim.AdamW(fresh_m.parameters(), lr=0.1), "fp32", device="cpu",
+                    grad_accum_steps=2)
+    fresh.load(tmp_path / "ckpt.pt")
+    for tr in (t, fresh):
+        tr.step(batch(5))
+        tr.step(batch(6))
+    assert same_models(m, fresh_m)
+    assert same_state(t.optimizer.state_dict(), fresh.optimizer.state_dict())
+
+
+def test_checkpoint_file_mode_follows_umask(tmp_path):
+    """Checkpoint files get mode 0o666 & ~umask, like torch.save and open()."""
+    _, t = mk()
+    t.step(B)
+    old = os.umask(0o022)
+    try:
+        path = t.save(tmp_path / "ckpt.pt")
+    finally:
+        os.umask(old)
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~0o022)
+
+
+def test_load_keeps_the_live_optimizers_fused_kernel(tmp_path):
+    """A checkpoint of a foreach run, loaded into an optimizer switched to its fused kernel, keeps the fused kernel."""
+    a = tiny_mlp()
+    saver = Trainer(a, torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), "bf16", device="cpu")
+    saver.step(batches(1)[0])
+    saver.save(tmp_path / "c.pt")
+    b = tiny_mlp()
+    optimizer = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    assert fuse_default_optimizer(optimizer, device_types=("cpu",))
+    loader = Trainer(b, optimizer, "bf16", device="cpu")
+    loader.load(tmp_path / "c.pt")
+    assert optimizer.param_groups[0]["fused"] is True and optimizer.param_groups[0]["foreach"] is False
+    assert loader.step(batches(2)[1]).stepped
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.a(x)  # b never gets a gradient
+
+
+def test_a_parameter_that_never_had_a_gradient_loads(tmp_path):
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    trainer = Trainer(model, torch.optim.Adam(model.parameters()), "bf16", device="cpu")
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    trainer.step(batch)
+    trainer.save(tmp_path / "u.pt")
+    other = _TwoHeads()
+    resumed = Trainer(other, torch.optim.Adam(other.parameters()), "bf16", device="cpu")
+    resumed.load(tmp_path / "u.pt")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+    assert other.b.weight not in resumed.optimizer.state or not resumed.optimizer.state[other.b.weight]
+    trainer.step(batch)
+    resumed.step(batch)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()))
+
+
+def test_a_checkpoint_of_another_scheduler_is_refused_before_anything_changes(tmp_path):
+    a = tiny_mlp()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    saver = Trainer(a, opt_a, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(opt_a, 1),
+                    scheduler_interval="step")
+    saver.step(batches(1)[0])
+    saver.save(tmp_path / "s.pt")
+    b = tiny_mlp(seed=3)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1)
+    loader = Trainer(b, opt_b, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.LambdaLR(opt_b, lambda s: 1.0),
+                     scheduler_interval="step")
+    before = _params(b)
+    with pytest.raises(ValueError, match="StepLR.*LambdaLR"):
+        loader.load(tmp_path / "s.pt")
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before)) and loader.global_step == 0
+
+
+def test_keep_last_never_deletes_this_runs_newest_checkpoint(tmp_path):
+    for stale in (11, 12):  # an earlier, longer run's files with higher step numbers
+        (tmp_path / f"step-{stale:08d}.pt").write_bytes(b"old")
+        os.utime(tmp_path / f"step-{stale:08d}.pt", (1, 1))
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    trainer.fit(batches(4), epochs=1, progress=False, checkpoint_dir=tmp_path, checkpoint_every=1, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-00000003.pt", "step-00000004.pt"]
+
+
+# save() keeps the mode open() would -------------------------------------------------------------------------------
+
+def test_save_over_a_file_keeps_its_mode(tmp_path):
+    t = _trainer()
+    path = t.save(tmp_path / "ckpt.pt")
+    os.chmod(path, 0o600)
+    t.save(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() == 0 if hasattr(os, "geteuid") else True,
+                    reason="root may write any file, so open() would not refuse it either")
+def test_save_over_a_read_only_file_is_refused_and_leaves_it(tmp_path):
+    t = _trainer()
+    path = t.save(tmp_path / "ckpt.pt")
+    old = path.read_bytes()
+    os.chmod(path, 0o444)
+    t.step((X, Y))
+    with pytest.raises(PermissionError, match="not writable"):
+        t.save(path)
+    assert path.read_bytes() == old and stat.S_IMODE(os.stat(path).st_mode) == 0o444
+
+
+def test_save_refuses_a_read_only_file_the_way_open_does(tmp_path, monkeypatch):
+    """As root, os.access says every file is writable; the refusal is checked through it instead."""
+    t = _trainer()
+    path = t.save(tmp_path / "ckpt.pt")
+    old = path.read_bytes()
+    monkeypatch.setattr(os, "access", lambda p, mode: False if os.fspath(p) == os.fspath(path) else True)
+    t.step((X, Y))
+    with pytest.raises(PermissionError, match="not writable"):
+        t.save(path)
+    assert path.read_bytes() == old
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_new_checkpoint_gets_the_umask_mode(tmp_path):
+    mask = os.umask(0o027)
+    try:
+        path = _trainer().save(tmp_path / "new.pt")
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+
+
+def test_state_dict_holds_the_live_tensors_as_documented():
+    """The docstring's promise: training on changes the weights in it; a deepcopy keeps a snapshot."""
+    t = _trainer()
+    t.step((X, Y))
+    live, snapshot = t.state_dict(), copy.deepcopy(t.state_dict())
+    t.step((X, Y))
+    assert torch.equal(live["model"]["weight"], t.model.weight)
+    assert not torch.equal(snapshot["model"]["weight"], t.model.weight)
+
+
+def test_save_replaces_a_symlink_as_before_without_checking_its_target(tmp_path, monkeypatch):
+    t = _trainer()
+    target = t.save(tmp_path / "ckpt_1.pt")
+    link = tmp_path / "latest.pt"
+    link.symlink_to(target)
+    monkeypatch.setattr(os, "access", lambda p, mode: os.fspath(p) != os.fspath(link))  # as if unwritable
+    t.save(link)
+    assert not link.is_symlink() and link.is_file()
+
+
+def test_a_raising_step_hook_leaves_a_load_whole(tmp_path):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
+    for batch in batches(2):
+        trainer.step(batch)
+    trainer.save(tmp_path / "c.pt")
+    trainer.step(batches(3)[2])
+
+    def broken():
+        raise RuntimeError("hook failed")
+
+    trainer.engine.after_step = broken
+    with pytest.raises(RuntimeError, match="hook failed"):
+        trainer.load(tmp_path / "c.pt")
+    assert trainer.global_step == 2  # everything else was restored before the hook ran
+
+
+def test_a_load_forgets_the_replaced_runs_last_loss(tmp_path):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
+    data = batches(3)
+    trainer.step(data[0])
+    trainer.save(tmp_path / "one.pt")
+    trainer.step(data[1])
+    assert trainer.engine.last_loss is not None
+    trainer.load(tmp_path / "one.pt")
+    assert trainer.engine.last_loss is None  # the progress bar shows "-" until this run books a step
