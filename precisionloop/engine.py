@@ -39,19 +39,26 @@ class LossNotScalar(ValueError):
 
 
 class _HostCopy:
-    """A step's verdict row on its way to the host: a non-blocking copy into pinned memory and an event after it."""
+    """A step's verdict row on its way to the host: a non-blocking copy into pinned memory and an event after it.
+
+    The pinned buffer and the event are made once and reused: the engine reads each copy before it queues the next.
+    """
 
     __slots__ = ("values", "event")
 
-    def __init__(self, row: torch.Tensor):
-        if row.is_cuda:
+    def __init__(self, row: torch.Tensor, last: _HostCopy | None = None):
+        if not row.is_cuda:
+            self.values, self.event = row, None
+            return
+        if last is not None and last.event is not None and last.values.shape == row.shape \
+                and last.values.dtype == row.dtype:
+            self.values, self.event = last.values, last.event
+        else:
             with torch.inference_mode(False):
                 self.values = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
-            self.values.copy_(row, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(row.device))  # the copy's stream, whichever device is current
-        else:
-            self.values, self.event = row, None
+        self.values.copy_(row, non_blocking=True)
+        self.event.record(torch.cuda.current_stream(row.device))  # the copy's stream, whichever device is current
 
     def read(self) -> list[float]:
         if self.event is not None:
@@ -90,6 +97,7 @@ class StepEngine:
         self.probe: Callable[[int], None] | None = None
         self.after_step: Callable[[], None] | None = None
         self._pending: _HostCopy | None = None  # the last optimizer step's verdict, not booked yet
+        self._last_copy: _HostCopy | None = None  # its buffer and event, reused by the next copy once it is read
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
@@ -176,7 +184,7 @@ class StepEngine:
             self.guard.step(self.optimizer, found_inf)
             self.guard.update()
             row = self._verdict(found_inf, loss)
-            self._pending = _HostCopy(row)
+            self._pending = self._last_copy = _HostCopy(row, self._last_copy if self._pending is None else None)
         except BaseException:
             row = None
             raise
@@ -201,7 +209,7 @@ class StepEngine:
         A second error or Ctrl-C here is swallowed, so the first one is the one raised.
         """
         with contextlib.suppress(Exception, KeyboardInterrupt):
-            self._pending = None
+            self._pending = self._last_copy = None
             if self.guard.scaler is not None:
                 self.last_scale = self.guard.scale_value()
             values = self._verdict(found_inf, loss).tolist()
@@ -268,7 +276,7 @@ class StepEngine:
 
     def discard_pending(self) -> None:
         """Forget the verdict not yet booked: a load replaces the counters, stats and scheduler it would change."""
-        self._pending = None
+        self._pending = self._last_copy = None  # its copy may be in flight: the next one gets a buffer of its own
 
     def _count(self, values: list[float]) -> None:
         """A verdict's counters; no user code runs here."""

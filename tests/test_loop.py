@@ -261,8 +261,9 @@ class _SlowLoader:
 def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
     trainer = make_trainer("fp32")
     with caplog.at_level(logging.WARNING, logger="precisionloop"):
-        history = trainer.fit(_SlowLoader(0.05), epochs=2, progress=False)
-    assert all(r["data_fraction"] > 0.5 and r["data_s"] >= 6 * 0.05 for r in history)
+        # Half a second a batch: far longer than a step of this tiny model, even on a busy machine.
+        history = trainer.fit(_SlowLoader(0.5, n=3), epochs=2, progress=False)
+    assert all(r["data_fraction"] > 0.5 and r["data_s"] >= 3 * 0.5 for r in history)
     warnings_given = [r for r in caplog.records if "waited for input" in r.getMessage()]
     assert len(warnings_given) == 1 and "not the precision" in warnings_given[0].getMessage()
     assert "workers" in warnings_given[0].getMessage() and "uint8" in warnings_given[0].getMessage()

@@ -170,7 +170,7 @@ def _deferred(monkeypatch, precision="bf16", **kw):
     from precisionloop import engine
 
     class InFlight(engine._HostCopy):
-        def __init__(self, row):
+        def __init__(self, row, last=None):
             super().__init__(row)
             self.values, self.event = row.clone(), _InFlight()
 
@@ -538,7 +538,7 @@ def test_a_skip_limit_reached_before_fit_raises_before_the_loader_is_opened(monk
     from precisionloop import engine
 
     class InFlight(engine._HostCopy):  # as on CUDA: the last skip is not booked when fit begins
-        def __init__(self, row):
+        def __init__(self, row, last=None):
             super().__init__(row)
             self.event = type("Event", (), {"synchronize": lambda self: None})()
 
