@@ -3,9 +3,9 @@ micro-batches one optimizer step behind the policy's gradient guard.
 
 One code path serves every precision: the guard (:mod:`precisionloop.guard`) owns loss scaling
 and the inf/NaN verdict. Each optimizer step's verdict (found inf, loss, scale) stays on the device
-and is copied to the host without blocking; it is booked (counters, scheduler, skip limit) at the
-next optimizer step, or at once on the CPU. So a fused optimizer never syncs the host, and the
-scheduler and the skip limit are never more than one step late.
+and is copied to the host without blocking; it is booked (counters, scheduler, skip limit) once the
+copy has landed, at the latest two optimizer steps on; with a scheduler at the next optimizer step;
+on the CPU at once. So a fused optimizer never waits for the step it has just queued.
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class _HostCopy:
         self.values.copy_(row, non_blocking=True)
         self.event.record(torch.cuda.current_stream(row.device))  # the copy's stream, whichever device is current
 
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
     def read(self) -> list[float]:
         if self.event is not None:
             self.event.synchronize()
@@ -96,8 +99,8 @@ class StepEngine:
         self.sync_next = False  # set by the loop: the next micro-batch closes the epoch, so gradients must sync
         self.probe: Callable[[int], None] | None = None
         self.after_step: Callable[[], None] | None = None
-        self._pending: _HostCopy | None = None  # the last optimizer step's verdict, not booked yet
-        self._last_copy: _HostCopy | None = None  # its buffer and event, reused by the next copy once it is read
+        self._pending: list[_HostCopy] = []  # verdicts not booked yet, oldest first: at most two
+        self._spare: _HostCopy | None = None  # a copy read and booked: its buffer and event take the next one
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
@@ -177,14 +180,18 @@ class StepEngine:
 
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
         """Book the last step; unscale and check, rescale a partial window, probe, clip; step under the verdict."""
-        self.sync()  # the last step's verdict first: the scheduler has set this step's LR once it is booked
+        # Earlier verdicts first. A scheduler must have set this step's LR: the last step is booked, waiting for
+        # it. Otherwise a verdict is booked once its copy has landed, or two steps on, so the host never waits
+        # for the step just queued, and the skip limit fires at most two optimizer steps late.
+        self._book_pending(wait_all=self.scheduler is not None)
         found_inf, grad_norm = self._unscale_and_clip()
         row = None
         try:
             self.guard.step(self.optimizer, found_inf)
             self.guard.update()
             row = self._verdict(found_inf, loss)
-            self._pending = self._last_copy = _HostCopy(row, self._last_copy if self._pending is None else None)
+            self._pending.append(_HostCopy(row, self._spare))
+            self._spare = None
         except BaseException:
             row = None
             raise
@@ -194,7 +201,7 @@ class StepEngine:
             if row is None:
                 self._book_failed_step(found_inf, loss)
         self.optimizer.zero_grad(set_to_none=True)
-        on_host = self._pending.event is None
+        on_host = self._pending[-1].event is None
         if self.guard.scaler is not None:
             self.last_scale = row[2]
         if self.after_step is not None:  # the policy's follow-up on the new weights (fp8 all-gather's scales)
@@ -209,7 +216,8 @@ class StepEngine:
         A second error or Ctrl-C here is swallowed, so the first one is the one raised.
         """
         with contextlib.suppress(Exception, KeyboardInterrupt):
-            self._pending = self._last_copy = None
+            self._book_pending(wait_all=True)  # the steps before it first
+        with contextlib.suppress(Exception, KeyboardInterrupt):
             if self.guard.scaler is not None:
                 self.last_scale = self.guard.scale_value()
             values = self._verdict(found_inf, loss).tolist()
@@ -246,18 +254,23 @@ class StepEngine:
             self.guard.abandon()
 
     def sync(self) -> None:
-        """Book the last optimizer step's verdict, waiting for it: counters, scheduler, skip limit, collapse warning.
+        """Book every optimizer step's verdict not booked yet, waiting for them: counters, scheduler, skip limit.
 
         Raises:
             RuntimeError: ``max_consecutive_skips`` steps in a row were skipped.
         """
-        pending = self._pending
-        if pending is None:
-            return
-        values = pending.read()  # an interrupt in the wait leaves it pending, to be read next time
-        self._count(values)
-        self._pending = None  # counted: never counted again, even if what follows raises
-        self._follow(values)
+        self._book_pending(wait_all=True)
+
+    def _book_pending(self, wait_all: bool) -> None:
+        """Book the pending verdicts, oldest first: all of them, or those landed and any two steps old."""
+        while self._pending:
+            oldest = self._pending[0]
+            if not wait_all and len(self._pending) < 2 and not oldest.landed():
+                return
+            values = oldest.read()  # an interrupt in the wait leaves it pending, to be read next time
+            self._count(values)
+            self._spare = self._pending.pop(0)  # counted: never counted again, even if what follows raises
+            self._follow(values)
 
     def counters(self) -> dict:
         """The counters a checkpoint saves (``stats`` apart)."""
@@ -276,7 +289,7 @@ class StepEngine:
 
     def discard_pending(self) -> None:
         """Forget the verdict not yet booked: a load replaces the counters, stats and scheduler it would change."""
-        self._pending = self._last_copy = None  # its copy may be in flight: the next one gets a buffer of its own
+        self._pending, self._spare = [], None  # a copy may be in flight: the next one gets a buffer of its own
 
     def _count(self, values: list[float]) -> None:
         """A verdict's counters; no user code runs here."""

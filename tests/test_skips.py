@@ -155,9 +155,14 @@ def test_a_failing_collective_on_the_one_kernel_path_is_raised_not_retried():
 # and booked at the next optimizer step; on the CPU at once. ``_deferred`` makes the CPU book as CUDA does.
 
 class _InFlight:
-    """An event whose copy is still on its way; ``interrupt`` makes the next wait raise KeyboardInterrupt."""
+    """An event on a copy to the host: landed by the next optimizer step unless ``slow``; ``interrupt`` makes the
+    next wait raise KeyboardInterrupt."""
 
     interrupt = False
+    slow = False
+
+    def query(self):
+        return not _InFlight.slow
 
     def synchronize(self):
         if _InFlight.interrupt:
@@ -208,6 +213,24 @@ def test_a_deferred_skip_limit_raises_one_step_late_with_every_step_counted(monk
     assert trainer.engine.stats.steps == trainer.global_step == 3 and trainer.engine.micro == 0
     poison.armed = False
     assert trainer.step(data[4]).stepped and trainer.stats.steps == 4  # training can go on after the error
+
+
+def test_a_copy_still_in_flight_is_booked_two_steps_on_and_the_skip_limit_then(monkeypatch):
+    monkeypatch.setattr(_InFlight, "slow", True)  # the GPU lags: no copy has landed when the next step starts
+    _, poison, trainer = _deferred(monkeypatch, max_consecutive_skips=2)
+    poison.armed = True
+    data = batches(4)
+    booked = []
+    for b in data[:3]:
+        assert trainer.step(b).skipped
+        booked.append(trainer.engine.stats.steps)
+    assert booked == [0, 0, 1]  # never the step just queued, nor the one before it; two steps on it is waited for
+    with pytest.raises(RuntimeError, match="2 optimizer steps in a row") as info:
+        trainer.step(data[3])  # the limit was reached at step 2: booked, and raised, two steps on
+    assert trainer.engine.stats.steps == 2 and trainer.global_step == 3 and "optimizer step 2" in str(info.value)
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row"):
+        trainer.stats  # books the third skip
+    assert trainer.engine.stats.steps == 3
 
 
 def test_a_deferred_scheduler_steps_before_the_next_update_and_only_for_steps_taken(monkeypatch):
@@ -540,7 +563,7 @@ def test_a_skip_limit_reached_before_fit_raises_before_the_loader_is_opened(monk
     class InFlight(engine._HostCopy):  # as on CUDA: the last skip is not booked when fit begins
         def __init__(self, row, last=None):
             super().__init__(row)
-            self.event = type("Event", (), {"synchronize": lambda self: None})()
+            self.event = type("Event", (), {"synchronize": lambda self: None, "query": lambda self: False})()
 
     monkeypatch.setattr(engine, "_HostCopy", InFlight)
     model = tiny_mlp()
@@ -644,9 +667,10 @@ def _verdict_run(scheduled: bool, n: int = 40):
 
 
 @pytest.mark.gpu
-def test_cuda_each_verdict_is_booked_at_the_next_step_without_a_sync_and_each_result_keeps_its_own():
+def test_cuda_each_verdict_is_booked_once_landed_without_a_sync_and_each_result_keeps_its_own():
     trainer, results, booked, _ = _verdict_run(scheduled=False)
-    assert booked == list(range(1, 40))  # each step booked by the next, with no host sync in between
+    # Once its copy has landed, and two steps on at the latest; never the step just queued: no host sync.
+    assert all(i - 2 <= n <= i - 1 for i, n in enumerate(booked, start=2)), booked
     assert [r.skipped for r in results] == [i in (5, 17, 18) for i in range(1, 41)]  # read after all 40 steps
     losses = [r.loss for r in results]
     stats = trainer.stats
