@@ -209,25 +209,43 @@ class FiniteGuard:
         return loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The fused check per (device, dtype) group, with an inverse scale of 1; the verdicts summed on one device."""
+        """The inf/NaN verdict of ``grads`` (an inverse scale of one leaves them as they are), as a device tensor.
+
+        One fused call over every gradient; torch refuses it, before it runs, for gradients on
+        several devices, sparse ones and shards, which are then checked per (device, dtype) group.
+        """
+        found = self._zero_on(grads[0].device if grads else torch.device("cpu"))
+        try:
+            _compat.non_finite_check_(grads, found, self._one_on(found.device))
+        except (RuntimeError, NotImplementedError, TypeError):
+            found = self._grouped(grads)
+        if self.all_reduce_max is not None:
+            self.all_reduce_max(found)
+        return found
+
+    def _grouped(self, grads: list[torch.Tensor]) -> torch.Tensor:
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
             g = _compat.dense_values(g)
             groups.setdefault((g.device, g.dtype), []).append(g)
-        device = next(iter(groups))[0] if groups else torch.device("cpu")
-        # fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
-        found = torch.zeros((), dtype=torch.float32, device=device)
+        found = self._zero_on(next(iter(groups))[0] if groups else torch.device("cpu"))
         for (where, _), tensors in groups.items():
-            here = found if where == device else torch.zeros((), dtype=torch.float32, device=where)
-            ones = self._ones.get(where)
-            if ones is None:
-                ones = self._ones[where] = torch.ones((), dtype=torch.float32, device=where)
-            _compat.non_finite_check_(tensors, here, ones)
+            here = found if where == found.device else self._zero_on(where)
+            _compat.non_finite_check_(tensors, here, self._one_on(where))
             if here is not found:
-                found += here.to(device)
-        if self.all_reduce_max is not None:
-            self.all_reduce_max(found)
+                found += here.to(found.device)
         return found
+
+    @staticmethod
+    def _zero_on(device: torch.device) -> torch.Tensor:
+        # fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
+        return torch.zeros((), dtype=torch.float32, device=device)
+
+    def _one_on(self, device: torch.device) -> torch.Tensor:
+        ones = self._ones.get(device)
+        if ones is None:
+            ones = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        return ones
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         _step_under_verdict(optimizer, found_inf, self._first)

@@ -62,7 +62,8 @@ class Trainer:
             count); ``"epoch"``: at the end of each epoch of ``fit`` (a loop of your own steps it
             itself). Required with a scheduler; a ``ReduceLROnPlateau`` is always stepped by ``fit``
             at each epoch's end with the validation loss.
-        grad_accum_steps: micro-batches per optimizer step; ``max_grad_norm``: clip the unscaled gradients to it.
+        grad_accum_steps: micro-batches per optimizer step.
+        max_grad_norm: clip the unscaled gradients to this total norm.
         max_consecutive_skips: raise after this many skipped steps in a row (on CUDA one step later:
             the verdict is read at the next optimizer step).
         compile: ``torch.compile`` the forward and backward: ``True`` is ``"reduce-overhead"`` (CUDA graphs)
@@ -265,15 +266,18 @@ class Trainer:
         Args:
             train_loader: an iterable of batches, usually a DataLoader.
             epochs: the total number of epochs, those restored from a checkpoint included.
-            val_loader: batches for validation after every epoch; ``metrics``: torchmetrics by name, on it.
+            val_loader: batches for validation after every epoch.
+            metrics: torchmetrics ``Metric`` objects by name, computed on ``val_loader``.
             max_steps: stop after this many optimizer steps in total.
             progress: a tqdm bar per epoch, with the loss and the share of time spent waiting for input.
-            loggers: :mod:`precisionloop.loggers` (or any object with ``log_metrics(metrics, step)``), written
-                every ``log_every`` optimizer steps and at each epoch's end; ``log_every`` also paces the bar.
             callbacks: objects with ``on_step_end(trainer, result)`` and/or ``on_epoch_end(trainer, record)``.
-            checkpoint_dir, checkpoint_every, keep_last: save ``step-NNNNNNNN.pt`` there every this many
-                optimizer steps, keeping the newest ``keep_last``.
+            checkpoint_dir: where periodic checkpoints ``step-NNNNNNNN.pt`` go.
+            checkpoint_every: save one every this many optimizer steps.
+            keep_last: keep only the newest this many periodic checkpoints.
+            log_every: write to the loggers, and refresh the bar, every this many optimizer steps.
             underflow_every: measure gradient underflow every this many optimizer steps (:mod:`precisionloop.diagnostics`).
+            loggers: :mod:`precisionloop.loggers` (or any object with ``log_metrics(metrics, step)``), written
+                every ``log_every`` optimizer steps and at each epoch's end.
 
         Returns:
             One dict per epoch: ``epoch``, ``train_loss``, ``steps``, ``skipped``, ``time_s``, ``samples_per_s``,

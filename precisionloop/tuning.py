@@ -205,7 +205,8 @@ def autotune(
         candidates: what to try; :func:`default_candidates` when None.
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
         loss_for: instead of ``loss_fn``, ``loss_for(model)`` returns the loss of a batch on that model.
-        steps, warmup: timed and untimed steps per round; both count towards the loss comparison.
+        steps: timed steps per round; they count towards the loss comparison.
+        warmup: untimed steps per round, first; they count towards it too.
         verbose: print the table the choice was made from.
 
     Raises:
