@@ -1,7 +1,8 @@
 """The loop around the step: ``fit`` and ``evaluate``, progress, callbacks, periodic checkpoints and exact-resume replay.
 
-Everything here works through a Trainer's public step and its override points, so a
-subclass's ``forward_batch`` and ``compute_loss`` are honoured in training and validation alike.
+Training goes through ``trainer.step`` and ``flush`` and validation through the Trainer's override points, so
+a subclass's ``forward_batch`` and ``compute_loss`` are honoured in both; the loop also sets the engine's
+``probe`` (underflow telemetry) and ``sync_next`` (the epoch's last micro-batch all-reduces).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class PrecisionPolicy:
     """An immutable description of how a training step handles precision.
 
     The Trainer reaches a policy only through ``autocast``, ``make_guard`` (built
-    from ``make_scaler``), ``backend_flags``, ``check_model``, ``prepare_model``,
+    from ``make_scaler``), ``backend_flags``, ``check_model``, ``check_compile``, ``prepare_model``,
     ``check_sharding`` and ``prepare_sharding`` (FSDP2 only), ``optimizer_step_hook`` and ``memory_format``,
     plus the attributes ``name``, ``compute_dtype`` and ``keep_fp32``. Subclass it (or
     one of the concrete policies) to support custom hardware.

@@ -12,7 +12,7 @@ from .devices import cuda_bf16_native, parse_device, resolve_device
 from .fp8 import FP8Policy
 from .policy import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy
 
-__all__ = ["PRECISIONS", "get_policy"]
+__all__ = ["PRECISIONS", "get_policy", "is_auto"]
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | to
     """Turn a precision spec into a policy.
 
     Args:
-        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"fp16"``,
-            ``"auto"``, an alias (float32, bfloat16, float16, half, 32, 16, and
+        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``,
+            ``"auto"``, an alias (float32, bfloat16, float16, half, float8, 32, 16, 8, and
             Lightning's ``"bf16-mixed"``/``"16-mixed"``/``"32-true"``), a torch
             dtype, or a policy instance, which is returned unchanged.
         device: the device that ``"auto"`` chooses for; the current CUDA device
@@ -60,6 +60,15 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | to
     if key == "auto":
         return _auto_policy(resolve_device(device))
     return PRECISIONS[key]()
+
+
+def is_auto(spec: object) -> bool:
+    """Whether ``spec`` asks :func:`get_policy` to choose (``"auto"``, in any spelling).
+
+    Raises:
+        ValueError: ``spec`` names no known precision.
+    """
+    return not isinstance(spec, PrecisionPolicy) and _normalise(spec) == "auto"
 
 
 def _normalise(spec: object) -> str:

@@ -21,7 +21,7 @@ from .devices import parse_device, resolve_device
 from .engine import StepEngine
 from .guard import fuse_default_optimizer
 from .policy import PrecisionPolicy
-from .precisions import get_policy
+from .precisions import get_policy, is_auto
 from .prepare import compile_mode, prepare_model
 from .results import StepResult, TrainStats
 from .tuning import autotune_trainer
@@ -64,8 +64,8 @@ class Trainer:
             at each epoch's end with the validation loss.
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the unscaled gradients to this total norm.
-        max_consecutive_skips: raise after this many skipped steps in a row (on CUDA one step later:
-            the verdict is read at the next optimizer step).
+        max_consecutive_skips: raise after this many skipped steps in a row (on CUDA up to two steps later:
+            the verdict is read once its copy to the host has landed).
         compile: ``torch.compile`` the forward and backward: ``True`` is ``"reduce-overhead"`` (CUDA graphs)
             on CUDA and ``"default"`` elsewhere; a string names the mode. The optimizer step stays eager.
         distributed: under torchrun, ``"auto"`` (several processes) and ``"ddp"`` wrap the model in DDP,
@@ -104,7 +104,7 @@ class Trainer:
                                        grad_accum_steps=grad_accum_steps,
                                        max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips,
                                        autotune=autotune, fuse_optimizer=fuse_optimizer)
-        if autotune and not (isinstance(precision, str) and precision.strip().lower() == "auto"):
+        if autotune and not is_auto(precision):
             raise ValueError(f"autotune=True chooses the precision itself: pass precision='auto', not {precision!r}")
         self.distributed, device = _dist.resolve(distributed, None if device is None else parse_device(device))
         if autotune and self.distributed:
@@ -191,11 +191,11 @@ class Trainer:
         """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.
 
         It moves the batch to the device, enables grad, and leaves the model's train/eval mode and
-        the caller's backend flags as they were. With a fused optimizer it never syncs the host: the
-        verdict is booked at the next optimizer step (``trainer.stats`` books it now).
+        the caller's backend flags as they were. With a fused optimizer it never waits for the step it
+        queues: the verdict is booked once it has landed on the host (``trainer.stats`` books it now).
 
         Raises:
-            ValueError: the batch is empty (nothing is changed).
+            ValueError: the batch is empty, or the loss is not a scalar (raised before backward; nothing is changed).
             TypeError: the batch is not ``(inputs, targets)`` and neither ``forward_batch`` nor ``compute_loss``
                 is overridden (nothing is changed, an open accumulation window included).
         """
