@@ -34,12 +34,13 @@ def check_real(name: str, value: object, in_range: Callable[[float], bool], vali
         raise ValueError(f"{name} must be {valid}, got {value!r}")
 
 
-def check_loader(name: str, loader: Any) -> None:
-    """Raise unless ``loader`` is an iterable of batches; a Dataset, or a list of tensors, is not one."""
+def check_loader(name: str, loader: Any, pairs: bool = True) -> None:
+    """Raise unless ``loader`` is an iterable of batches: a Dataset is not one, nor (when batches are the default
+    ``(inputs, targets)`` pairs, ``pairs``) a list of tensors."""
     if isinstance(loader, torch.utils.data.Dataset) and not isinstance(loader, torch.utils.data.IterableDataset):
         raise ValueError(f"{name} is a {type(loader).__name__}, which holds single samples, not batches: wrap it as "
                          f"DataLoader(dataset, batch_size=..., shuffle=...) from torch.utils.data")
-    if isinstance(loader, (list, tuple)) and loader and all(isinstance(item, torch.Tensor) for item in loader):
+    if pairs and isinstance(loader, (list, tuple)) and loader and all(isinstance(item, torch.Tensor) for item in loader):
         raise ValueError(f"{name} is a {type(loader).__name__} of tensors, which fit would take as one batch per "
                          f"tensor; for (inputs, targets) tensors use DataLoader(TensorDataset(inputs, targets), "
                          f"batch_size=...) from torch.utils.data, or pass a list of (inputs, targets) batches")

@@ -11,6 +11,7 @@ on the CPU at once. So a fused optimizer never waits for the step it has just qu
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import warnings
@@ -41,7 +42,8 @@ class LossNotScalar(ValueError):
 class _HostCopy:
     """A step's verdict row on its way to the host: a non-blocking copy into pinned memory and an event after it.
 
-    The pinned buffer and the event are made once and reused: the engine reads each copy before it queues the next.
+    On CUDA only; elsewhere the row is the host copy, booked at once. A buffer and its event are reused once the
+    copy they held has been read (``last``).
     """
 
     __slots__ = ("values", "event")
@@ -185,20 +187,18 @@ class StepEngine:
         # for the step just queued, and the skip limit fires at most two optimizer steps late.
         self._book_pending(wait_all=self.scheduler is not None)
         found_inf, grad_norm = self._unscale_and_clip()
-        row = None
+        copy = None
         try:
             self.guard.step(self.optimizer, found_inf)
             self.guard.update()
             row = self._verdict(found_inf, loss)
-            self._pending.append(_HostCopy(row, self._spare))
-            self._spare = None
-        except BaseException:
-            row = None
-            raise
+            spare, self._spare = self._spare, None  # taken first: an interrupt must not leave it shared
+            copy = _HostCopy(row, spare)
+            self._pending.append(copy)
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced = 0, False
             self.global_step += 1
-            if row is None:
+            if copy is None or not self._pending or self._pending[-1] is not copy:  # not queued: book it now
                 self._book_failed_step(found_inf, loss)
         self.optimizer.zero_grad(set_to_none=True)
         on_host = self._pending[-1].event is None
@@ -215,8 +215,10 @@ class StepEngine:
 
         A second error or Ctrl-C here is swallowed, so the first one is the one raised.
         """
-        with contextlib.suppress(Exception, KeyboardInterrupt):
-            self._book_pending(wait_all=True)  # the steps before it first
+        for _ in range(len(self._pending)):  # the steps before it first, each on its own
+            with contextlib.suppress(Exception, KeyboardInterrupt):
+                self._book_oldest()
+        self._pending, self._spare = [], None  # what could not be read is given up, with its buffer
         with contextlib.suppress(Exception, KeyboardInterrupt):
             if self.guard.scaler is not None:
                 self.last_scale = self.guard.scale_value()
@@ -264,13 +266,15 @@ class StepEngine:
     def _book_pending(self, wait_all: bool) -> None:
         """Book the pending verdicts, oldest first: all of them, or those landed and any two steps old."""
         while self._pending:
-            oldest = self._pending[0]
-            if not wait_all and len(self._pending) < 2 and not oldest.landed():
+            if not wait_all and len(self._pending) < 2 and not self._pending[0].landed():
                 return
-            values = oldest.read()  # an interrupt in the wait leaves it pending, to be read next time
-            self._count(values)
-            self._spare = self._pending.pop(0)  # counted: never counted again, even if what follows raises
-            self._follow(values)
+            self._book_oldest()
+
+    def _book_oldest(self) -> None:
+        values = self._pending[0].read()  # an interrupt in the wait leaves it pending, to be read next time
+        self._count(values)
+        self._spare = self._pending.pop(0)  # counted: never counted again, even if what follows raises
+        self._follow(values)
 
     def counters(self) -> dict:
         """The counters a checkpoint saves (``stats`` apart)."""
@@ -294,7 +298,8 @@ class StepEngine:
     def _count(self, values: list[float]) -> None:
         """A verdict's counters; no user code runs here."""
         skipped = bool(values[0])
-        self.last_loss = values[1]
+        if not math.isnan(values[1]):  # a flush's verdict has no micro-batch loss
+            self.last_loss = values[1]
         self.stats.record(skipped, values[2] if len(values) > 2 else None)
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
 

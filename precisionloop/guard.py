@@ -211,13 +211,18 @@ class FiniteGuard:
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
         """The inf/NaN verdict of ``grads`` (an inverse scale of one leaves them as they are), as a device tensor.
 
-        One fused call over every gradient; torch refuses it, before it runs, for gradients on
-        several devices, sparse ones and shards, which are then checked per (device, dtype) group.
+        Plain dense gradients take one fused call; shards (FSDP2's DTensors) and sparse gradients, or
+        gradients torch refuses to take together (several devices), are checked per (device, dtype) group.
+        The cross-rank agreement runs once, after the check.
         """
-        found = self._zero_on(grads[0].device if grads else torch.device("cpu"))
-        try:
-            _compat.non_finite_check_(grads, found, self._one_on(found.device))
-        except (RuntimeError, NotImplementedError, TypeError):
+        first = grads[0] if grads else None
+        if first is not None and type(first) is torch.Tensor and not first.is_sparse:
+            found = self._zero_on(first.device)
+            try:
+                _compat.non_finite_check_(grads, found, self._one_on(found.device))
+            except (RuntimeError, NotImplementedError, TypeError):  # the check reads the gradients only: a rerun is safe
+                found = self._grouped(grads)
+        else:
             found = self._grouped(grads)
         if self.all_reduce_max is not None:
             self.all_reduce_max(found)

@@ -80,9 +80,10 @@ class FitOptions:
 def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterable | None,
         metrics: Mapping[str, Any] | None) -> list[dict]:
     """:meth:`Trainer.fit`'s body; see its docstring."""
-    check_loader("train_loader", train_loader)
+    pairs = trainer.takes_pairs()
+    check_loader("train_loader", train_loader, pairs)
     if val_loader is not None:
-        check_loader("val_loader", val_loader)
+        check_loader("val_loader", val_loader, pairs)
     metrics = check_metrics(metrics, val_loader)
     if is_plateau(trainer.scheduler) and val_loader is None:
         raise ValueError("the scheduler is a ReduceLROnPlateau, which fit steps with the validation loss at each "
@@ -274,15 +275,17 @@ class _EpochTotals:
         self.steps_before, self.skipped_before = trainer.global_step, skipped_before
         self.measured_before = len(trainer.underflow_history)
         self.start = time.perf_counter()
-        self.data_s = 0.0  # blocked on the loader, and moving batches to the device
+        self.data_s = 0.0  # blocked on the loader
         self.logged = (self.start, 0)  # when the loggers last wrote, and the samples by then
 
     def next_batch(self, iterator: Any) -> Any:
-        """The next batch on the device (``_END`` at the end), timed on the host: no sync."""
+        """The loader's next batch (``_END`` at the end), the wait timed on the host.
+
+        Only the wait: a copy from pageable memory to the device would also wait for the GPU's queued
+        work, and count the step's time as the input's.
+        """
         began = time.perf_counter()
         batch = next(iterator, _END)
-        if batch is not _END:
-            batch = self.trainer.to_device(batch)
         self.data_s += time.perf_counter() - began
         return batch
 
@@ -361,7 +364,7 @@ def _underflow_probe(trainer, every: int):
 
 def evaluate(trainer, loader: Iterable, metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """:meth:`Trainer.evaluate`'s body."""
-    check_loader("loader", loader)
+    check_loader("loader", loader, trainer.takes_pairs())
     return validate(trainer, loader, check_metrics(metrics, loader))
 
 

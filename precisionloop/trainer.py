@@ -178,6 +178,10 @@ class Trainer:
         """The loss of one micro-batch; runs under autocast. Override it for other losses or batch shapes."""
         return self.loss_fn(*self.forward_batch(batch))
 
+    def takes_pairs(self) -> bool:
+        """Whether batches are ``(inputs, targets)``: neither ``forward_batch`` nor ``compute_loss`` is overridden."""
+        return type(self).compute_loss is Trainer.compute_loss and type(self).forward_batch is Trainer.forward_batch
+
     def _evaluation_step(self, batch: Any, need_outputs: bool) -> tuple[torch.Tensor, Any, Any]:
         """Loss, outputs and targets for validation, through the same override points as training."""
         if type(self).compute_loss is Trainer.compute_loss:  # one forward gives both
@@ -201,8 +205,8 @@ class Trainer:
         """
         if batches.batch_size(batch) == 0:
             raise ValueError("the batch is empty (batch size 0): nothing to train on; nothing was changed")
-        if type(self).compute_loss is Trainer.compute_loss and type(self).forward_batch is Trainer.forward_batch:
-            batches.check_pair(batch)  # the default batch shape, refused here, not in the step (it drops the window)
+        if self.takes_pairs():
+            batches.check_pair(batch)  # refused here, not in the step (it drops the window)
         if self._autotune_compile is not None:
             self._run_autotune(batch)
         with self.policy.backend_flags():
@@ -274,14 +278,15 @@ class Trainer:
             checkpoint_dir: where periodic checkpoints ``step-NNNNNNNN.pt`` go.
             checkpoint_every: save one every this many optimizer steps.
             keep_last: keep only the newest this many periodic checkpoints.
-            log_every: write to the loggers, and refresh the bar, every this many optimizer steps.
+            log_every: write to the loggers every this many optimizer steps (values of the last step booked), and
+                refresh the bar every this many micro-batches.
             underflow_every: measure gradient underflow every this many optimizer steps (:mod:`precisionloop.diagnostics`).
             loggers: :mod:`precisionloop.loggers` (or any object with ``log_metrics(metrics, step)``), written
                 every ``log_every`` optimizer steps and at each epoch's end.
 
         Returns:
             One dict per epoch: ``epoch``, ``train_loss``, ``steps``, ``skipped``, ``time_s``, ``samples_per_s``,
-            ``data_s`` and ``data_fraction`` (time waiting for input and moving it), ``complete``, the loss-scale
+            ``data_s`` and ``data_fraction`` (time blocked on the loader), ``complete``, the loss-scale
             counters, and ``val_loss`` and the metrics with ``val_loader``.
 
         Raises:
@@ -292,11 +297,7 @@ class Trainer:
         return loop.fit(self, train_loader, options, val_loader, metrics)
 
     def evaluate(self, loader: Iterable, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
-        """Mean loss and each metric over ``loader``, in eval mode, without grad, under the policy's autocast.
-
-        Returns:
-            ``{"val_loss": mean loss, name: metric value, ...}``.
-        """
+        """``{"val_loss": mean loss, name: metric, ...}`` over ``loader``: eval mode, no grad, the policy's autocast."""
         return loop.evaluate(self, loader, metrics)
 
     def state_dict(self) -> dict:

@@ -271,6 +271,17 @@ def test_fit_refuses_a_list_of_tensors_and_names_the_dataloader():
     assert trainer.global_step == 0
 
 
+def test_a_list_of_tensors_is_a_list_of_batches_when_forward_batch_takes_tensors():
+    class Tokens(Trainer):  # each batch is one tensor: the inputs are their own targets
+        def forward_batch(self, batch):
+            return self.model(batch), batch.argmax(dim=1)
+
+    model = nn.Linear(4, 4)
+    trainer = Tokens(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    history = trainer.fit([X, X], progress=False)
+    assert trainer.global_step == 2 and history[-1]["steps"] == 2
+
+
 def test_a_loss_class_is_refused_at_construction():
     with pytest.raises(ValueError, match=r"loss_fn is the class CrossEntropyLoss; pass an instance.*CrossEntropyLoss\(\)"):
         _trainer(loss_fn=nn.CrossEntropyLoss)

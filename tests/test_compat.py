@@ -1,6 +1,6 @@
 """Pins every private torch API behind precisionloop._compat: a torch upgrade that changes one fails here, loudly.
 
-These run on the CPU (torch 2.14 in CI) and on the GPU machine (torch 2.11).
+These run on the CPU (torch 2.14 in CI) and on CUDA (torch 2.11).
 """
 
 import pytest

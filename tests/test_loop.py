@@ -261,7 +261,7 @@ class _SlowLoader:
 def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
     trainer = make_trainer("fp32")
     with caplog.at_level(logging.WARNING, logger="precisionloop"):
-        # Half a second a batch: far longer than a step of this tiny model, even on a busy machine.
+        # Half a second a batch: far longer than a step of this tiny model, even with the CPU shared.
         history = trainer.fit(_SlowLoader(0.5, n=3), epochs=2, progress=False)
     assert all(r["data_fraction"] > 0.5 and r["data_s"] >= 3 * 0.5 for r in history)
     warnings_given = [r for r in caplog.records if "waited for input" in r.getMessage()]

@@ -120,19 +120,20 @@ def test_collapse_warning_names_the_callers_line_when_stats_books_it(monkeypatch
     assert record[0].filename == __file__
 
 
-def test_same_gradient_count_with_a_non_finite_sparse_gradient_is_caught():
+def test_a_non_finite_sparse_gradient_among_dense_ones_is_caught():
     from precisionloop.guard import FiniteGuard
 
     guard = FiniteGuard()
     dense = [torch.ones(3), torch.ones(2)]
-    assert guard.unscale_(None, dense).item() == 0  # all dense on one device: the next step of that count takes one kernel
+    assert guard.unscale_(None, dense).item() == 0  # all dense on one device: one fused check
     sparse = torch.sparse_coo_tensor([[0]], [float("inf")], (3,), check_invariants=True)
-    assert guard.unscale_(None, [torch.ones(3), sparse]).item() == 1  # torch refuses the one kernel: grouped instead
+    assert guard.unscale_(None, [torch.ones(3), sparse]).item() == 1  # torch refuses the fused check: grouped instead
+    assert guard.unscale_(None, [sparse, torch.ones(3)]).item() == 1
     assert guard.unscale_(None, [torch.ones(3), torch.tensor([1.0, float("nan")])]).item() == 1
     assert guard.unscale_(None, dense).item() == 0
 
 
-def test_a_failing_collective_on_the_one_kernel_path_is_raised_not_retried():
+def test_a_failing_collective_is_raised_not_retried():
     from precisionloop.guard import FiniteGuard
 
     calls = []
@@ -145,9 +146,9 @@ def test_a_failing_collective_on_the_one_kernel_path_is_raised_not_retried():
 
     guard = FiniteGuard(all_reduce_max=all_reduce_max)
     grads = [torch.ones(3), torch.ones(2)]
-    guard.unscale_(None, grads)  # the grouping path; the next call of this count takes the one kernel
+    guard.unscale_(None, grads)
     with pytest.raises(RuntimeError, match="collective failed"):
-        guard.unscale_(None, grads)
+        guard.unscale_(None, grads)  # raised from the agreement, after the check: not run a second time
     assert len(calls) == 2
 
 
@@ -213,6 +214,37 @@ def test_a_deferred_skip_limit_raises_one_step_late_with_every_step_counted(monk
     assert trainer.engine.stats.steps == trainer.global_step == 3 and trainer.engine.micro == 0
     poison.armed = False
     assert trainer.step(data[4]).stepped and trainer.stats.steps == 4  # training can go on after the error
+
+
+def test_a_host_buffer_is_reused_only_once_its_copy_was_read(monkeypatch, tmp_path):
+    from precisionloop import engine
+
+    read, handed = set(), []
+
+    class Buffered(engine._HostCopy):  # as on CUDA: a pinned buffer and an event, reused through ``last``
+        def __init__(self, row, last=None):
+            handed.append((last, last is not None and id(last) in read))  # reused, and read by then
+            self.values = row.clone() if last is None else last.values.copy_(row)
+            self.event = _InFlight()
+
+        def read(self):
+            read.add(id(self))
+            return super().read()
+
+    monkeypatch.setattr(engine, "_HostCopy", Buffered)
+    monkeypatch.setattr(_InFlight, "slow", True)  # two copies in flight at a time
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
+    data = batches(6)
+    for b in data[:4]:
+        trainer.step(b)
+    trainer.save(tmp_path / "ckpt.pt")
+    trainer.step(data[4])
+    trainer.load(tmp_path / "ckpt.pt")  # the copies in flight are given up, never reused
+    trainer.step(data[5])
+    reused = [was_read for last, was_read in handed if last is not None]
+    assert reused and all(reused)  # only buffers whose copy had been read
+    assert trainer.stats.steps == 5
 
 
 def test_a_copy_still_in_flight_is_booked_two_steps_on_and_the_skip_limit_then(monkeypatch):
@@ -628,7 +660,7 @@ def test_cuda_verdict_is_booked_by_stats_and_the_skip_limit_still_fires():
                       max_consecutive_skips=2)
     data = batches(2)
     assert trainer.step(data[0]).skipped
-    trainer.step(data[1])  # both verdicts still on the device, in the first block
+    trainer.step(data[1])  # the second verdict may still be on its way to the host
     with pytest.raises(RuntimeError, match="2 optimizer steps in a row"):
         _ = trainer.stats
 
@@ -717,7 +749,7 @@ def test_cuda_steps_on_side_streams_book_the_same_verdicts_as_on_one_stream():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                    reason="needs two CUDA GPUs; run on the two-GPU machine")
+                    reason="needs two CUDA GPUs")
 def test_a_trainer_on_the_second_gpu_waits_for_its_verdicts_copy_on_that_gpus_stream(monkeypatch):
     # The copy runs on the rows' device's stream; an event recorded on the current device's (cuda:0) would not
     # wait for it, and the rows could be read before they land.

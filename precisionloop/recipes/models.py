@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# The reference configuration (the recipe's CUDA default) and a tiny one for the CPU.
+# The reference configuration (the recipe's CUDA default) and a tiny one for the CPU.
 REFERENCE = {"layers": 4, "d_model": 2048, "d_ff": 8192, "heads": 16, "seq_len": 1024, "vocab": 8192}
 TINY = {"layers": 2, "d_model": 64, "d_ff": 256, "heads": 4, "seq_len": 32, "vocab": 256}
 
