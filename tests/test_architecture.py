@@ -50,3 +50,9 @@ def test_no_function_over_60_lines_outside_recipes():
                 if node.end_lineno - start + 1 > 60:
                     long.append(f"{path.name}:{node.name} ({node.end_lineno - start + 1} lines)")
     assert not long, long
+
+
+def test_the_trainer_class_stays_small():
+    tree = ast.parse((PACKAGE / "trainer.py").read_text())
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    assert trainer.end_lineno - trainer.lineno + 1 <= 300, trainer.end_lineno - trainer.lineno + 1
