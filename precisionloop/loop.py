@@ -258,8 +258,8 @@ def _after_step(trainer, result, options: FitOptions, totals) -> bool:
         return False
     if options.loggers and trainer.global_step % options.log_every == 0 and _dist.is_main():
         metrics = totals.step_metrics(trainer)
-        for logger in options.loggers:
-            logger.log_metrics(metrics, trainer.global_step)
+        for logger in options.loggers:  # under the step the values are from: on CUDA the last one booked
+            logger.log_metrics(metrics, trainer.engine.stats.steps)
     if options.checkpoint_every is not None and trainer.global_step % options.checkpoint_every == 0:
         _periodic_save(trainer, Path(options.checkpoint_dir), options.keep_last)
     return options.reached(trainer.global_step)
