@@ -5,10 +5,11 @@
 Each system trains the same torchvision model on the same random batch with the same SGD
 (momentum 0.9; fused on CUDA unless --no-fused). The systems compared with each other (per batch
 size and precision: precisionloop, the hand loop, and each peer; a peer's TF32 fp32 goes with our
-tf32) are timed together by ``precisionloop.measure.interleaved``: --rounds rounds, a fresh model
-and optimizer per system and round, the order rotated each round; the median over rounds is
-reported with its min-max spread, and ratios pair the rounds in time. Every peer runs with TF32 and
-cudnn.benchmark on, so the peers get the flags precisionloop's tf32/bf16/fp16 policies use;
+tf32, or with our fp32 on a device without TF32) are timed together by
+``precisionloop.measure.interleaved``: --rounds rounds, a fresh model and optimizer per system and
+round, the order rotated each round; the median over rounds is reported with its min-max spread,
+and ratios pair the rounds in time. Every peer runs with TF32 and cudnn.benchmark on, so the peers
+get the flags precisionloop's tf32/bf16/fp16 policies use;
 channels_last is each system's default (the peers' default is NCHW). A peer that is not installed
 is skipped with a note.
 """
@@ -81,9 +82,10 @@ def peer_factory(peer: str, precision: str, batch_size: int, args):
     return build
 
 
-def _group(precision: str) -> str:
-    """The precision of ours a peer is compared with: their fp32 is TF32 fp32, so it goes with our tf32."""
-    return "tf32" if precision == "fp32" else precision
+def _group(precision: str, args) -> str:
+    """The precision of ours a peer is compared with: their fp32 is TF32 fp32, so it goes with our tf32, or with our
+    fp32 on a device without TF32 (the recipe's baseline there)."""
+    return args.baseline if precision == "fp32" else precision
 
 
 def measure_group(bs: int, key: str, args, peers: list[str], peer_precisions: list[str], on_run) -> list[bench.Result]:
@@ -96,7 +98,7 @@ def measure_group(bs: int, key: str, args, peers: list[str], peer_precisions: li
             factories[system] = bench.system_factory(system, policy, bs, args, args.device, skipped[system])
             precision_of[system] = key
     for p in peer_precisions:
-        if _group(p) == key:
+        if _group(p, args) == key:
             for peer in peers:
                 factories[peer] = peer_factory(peer, p, bs, args)
                 precision_of[peer] = p
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
         if p not in FABRIC:
             parser.error(f"--peer-precisions: unknown {p!r}; valid: {', '.join(FABRIC)} (fp32 means their TF32 fp32)")
 
-    keys = list(dict.fromkeys(args.precisions + [_group(p) for p in peer_precisions]))
+    keys = list(dict.fromkeys(args.precisions + [_group(p, args) for p in peer_precisions]))
     results = []
     with tqdm(desc="runs", file=sys.stderr, leave=False) as bar:
         for bs in args.batch_sizes:
@@ -155,11 +157,12 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
           "TF32 fp32 for the peers):")
     for system in systems:
         print(f"\n{system}:")
-        print(bench.format_table(results, system, list(dict.fromkeys(args.precisions + peer_precisions)), args.batch_sizes))
+        columns = list(dict.fromkeys(args.precisions + peer_precisions))
+        print(bench.format_table(results, system, columns, args.batch_sizes, args.baseline))
     ours = {(r.batch_size, r.precision): r for r in results if r.system == "precisionloop" and not r.error}
     print("\nprecisionloop step time / peer step time (lower is better), per-round ratios paired in time, median [min-max]:")
     for r in results:
-        mine = ours.get((r.batch_size, _group(r.precision)))
+        mine = ours.get((r.batch_size, _group(r.precision, args)))
         if r.system in peers and not r.error and mine is not None and len(mine.rounds_ms) == len(r.rounds_ms):
             print(f"  batch {r.batch_size:>4} {r.precision}: vs {r.system:<10} {format_ratio(paired_ratio(mine, r))} "
                   f"({format_time(mine)} vs {format_time(r)}; {format_memory(mine)} vs {format_memory(r)})")

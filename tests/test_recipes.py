@@ -19,9 +19,53 @@ def test_benchmark_recipe_tiny_cpu_run(tmp_path, capsys):
     assert "wrapper cost" in text and ("MB RSS" in text or "n/a" in text)  # CPU peak: RSS growth where /proc allows
     data = json.loads(out.read_text())
     got = {(r["system"], r["precision"], r["batch_size"]) for r in data["results"]}
-    assert got == {(s, p, b) for s in ("precisionloop", "hand") for p in ("fp32", "tf32", "bf16") for b in (2, 3)}
+    assert got == {(s, p, b) for s in ("precisionloop", "hand") for p in ("fp32", "bf16") for b in (2, 3)}
     assert all((r["peak_mb"] is None) == (r["memory_kind"] == "n/a") and r["median_ms"] > 0 for r in data["results"])
     assert data["environment"]["torch"]
+
+
+def test_benchmark_recipe_cpu_run_has_no_tf32_column_and_compares_with_fp32(capsys):
+    resnet18_bench.main([*TINY, "--batch-sizes", "2", "--rounds", "1", "--no-hand-loop"])
+    text = capsys.readouterr().out
+    table = text.split("precisionloop Trainer.step", 1)[1].splitlines()
+    assert table[0].endswith("speed-up and memory change vs fp32):")
+    assert [c.strip() for c in table[1].split("|")] == ["batch", "fp32", "bf16"]  # TF32 is fp32 on the CPU
+    vs = next(line for line in table if line.strip().startswith("vs "))
+    assert vs.split("|")[0].strip() == "vs fp32" and vs.split("|")[1].strip().startswith("1.00x")
+    assert "tf32" not in text
+    assert "each round runs the systems one after the other" in text and "one system at a time" not in text
+
+
+@pytest.mark.parametrize("precisions", ["tf32", "fp32,tf32,bf16"])
+def test_benchmark_recipe_refuses_tf32_on_the_cpu_before_measuring(precisions, monkeypatch, capsys):
+    measured = []
+    monkeypatch.setattr(resnet18_bench, "measure", lambda *a, **k: measured.append(a) or [])
+    with pytest.raises(SystemExit) as info:
+        resnet18_bench.main([*TINY, "--precisions", precisions])
+    assert info.value.code == 2 and measured == []
+    err = capsys.readouterr().err
+    assert "--precisions tf32: TF32 needs a CUDA GPU of compute capability 8.0+, and the CPU has none" in err
+    assert "use fp32" in err
+
+
+def _cuda_of(monkeypatch, capability):
+    """parse_args sees cuda:0 of ``capability`` (no GPU needed: nothing is run on it)."""
+    import torch
+
+    monkeypatch.setattr(resnet18_bench, "_parse_device", lambda p, text: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_benchmark_recipe_baseline_is_tf32_only_on_cuda_with_tf32(monkeypatch, capsys):
+    _cuda_of(monkeypatch, (8, 0))
+    args = resnet18_bench.parse_args([])
+    assert args.precisions == ["fp32", "tf32", "bf16", "fp16"] and args.baseline == "tf32"
+    _cuda_of(monkeypatch, (7, 5))
+    args = resnet18_bench.parse_args([])
+    assert args.precisions == ["fp32", "bf16", "fp16"] and args.baseline == "fp32"
+    with pytest.raises(SystemExit):
+        resnet18_bench.parse_args(["--precisions", "tf32"])
+    assert "and cuda:0 (compute capability 7.5) has none (tf32 would run as fp32); use fp32" in capsys.readouterr().err
 
 
 def test_benchmark_recipe_times_the_trainer_step(monkeypatch):
@@ -38,7 +82,8 @@ def test_benchmark_recipe_blocks_time_both_systems_side_by_side(tmp_path, capsys
     out = tmp_path / "blocks.json"
     resnet18_bench.main([*TINY, "--batch-sizes", "2", "--precisions", "bf16", "--rounds", "2", "--iters", "4",
                          "--blocks", "2", "--json", str(out)])
-    assert "in 2 alternating blocks" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "each round builds the systems side by side and alternates their timed steps in 2 blocks" in text
     assert resnet18_bench.parse_args(["--device", "cpu"]).blocks == 1  # the CPU default: one system at a time
     data = json.loads(out.read_text())
     assert {r["system"] for r in data["results"]} == {"precisionloop", "hand"}
@@ -90,11 +135,11 @@ def test_benchmark_recipe_times_a_transformer(tmp_path, capsys):
 
 
 def test_benchmark_recipe_alternates_step_by_step_on_cuda(monkeypatch):
-    monkeypatch.setattr(resnet18_bench, "_parse_device", lambda p, text: __import__("torch").device("cuda", 0))
+    _cuda_of(monkeypatch, (9, 0))
     args = resnet18_bench.parse_args([])
     assert args.blocks == args.iters == 50
-    assert resnet18_bench._alternation(args) == ", alternating step by step"
-    assert resnet18_bench._alternation(resnet18_bench.parse_args(["--blocks", "5"])) == " in 5 alternating blocks"
+    assert resnet18_bench._alternation(args).endswith("alternates their timed steps step by step")
+    assert resnet18_bench._alternation(resnet18_bench.parse_args(["--blocks", "5"])).endswith("timed steps in 5 blocks")
 
 
 def test_benchmark_recipe_transformer_cpu_defaults_are_tiny_and_reference_on_cuda(monkeypatch):
@@ -102,8 +147,8 @@ def test_benchmark_recipe_transformer_cpu_defaults_are_tiny_and_reference_on_cud
 
     args = resnet18_bench.parse_args(["--model", "transformer", "--device", "cpu"])
     assert {k: getattr(args, k) for k in models.TINY} == models.TINY and args.batch_sizes == [4]
-    assert args.image_size is None and args.precisions == ["fp32", "tf32", "bf16"]
-    monkeypatch.setattr(resnet18_bench, "_parse_device", lambda p, text: __import__("torch").device("cuda", 0))
+    assert args.image_size is None and args.precisions == ["fp32", "bf16"]
+    _cuda_of(monkeypatch, (9, 0))
     args = resnet18_bench.parse_args(["--model", "transformer"])
     assert {k: getattr(args, k) for k in models.REFERENCE} == models.REFERENCE and args.batch_sizes == [8]
     assert resnet18_bench.parse_args(["--device", "cpu", "--layers", "3"]).notes[0].startswith("--layers only apply")
@@ -315,7 +360,7 @@ def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
     (["--image-size", "0"], "--image-size must be >= 16, got 0"),
     (["--batch-sizes="], "--batch-sizes takes positive integers"),
     (["--device", "mps"], "the benchmark runs on cuda, cuda:N or cpu"),
-    (["--precisions", "tf32", "--autotune"], "--autotune chooses among"),
+    (["--precisions", "fp16", "--autotune"], "--autotune chooses among"),
 ])
 def test_the_recipe_refuses_bad_arguments_before_measuring(flags, message, capsys):
     with pytest.raises(SystemExit):
@@ -355,6 +400,14 @@ def test_grad_underflow_refuses_a_scale_that_is_not_finite(capsys):
         with pytest.raises(SystemExit):
             grad_underflow.main(["--device", "cpu", "--scale", scale])
         assert "--scale a finite number > 0" in capsys.readouterr().err
+
+
+def test_peers_pair_their_fp32_with_ours_on_the_cpu(monkeypatch):
+    peers = _benchmark_script("peers")
+    assert peers._group("fp32", peers.bench.parse_args(TINY)) == "fp32"  # no TF32 on the CPU: our fp32 is theirs
+    _cuda_of(monkeypatch, (9, 0))
+    args = peers.bench.parse_args([])
+    assert peers._group("fp32", args) == "tf32" and peers._group("bf16", args) == "bf16"
 
 
 def test_peers_refuses_an_unknown_peer_precision_and_skips_a_group_with_no_system(capsys):

@@ -4,8 +4,10 @@ Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. The
 ``step`` is what is timed; a hand-written torch.amp loop with identical settings runs beside it
 in the same process, and the ratio of the two is the wrapper's cost. Each configuration is timed
 in several interleaved rounds (``precisionloop.measure.interleaved``), a fresh model and optimizer
-each round, on CUDA the two systems' timed steps alternating step by step (``--blocks``), and reported
-as the median over rounds with the rounds' min-max spread.
+each round: by default on CUDA the two systems' timed steps alternate step by step (``--blocks``), on
+the CPU the systems run one after the other. Each is reported as the median over rounds with the rounds' min-max
+spread, and beside it its speed-up over tf32 (over strict fp32 on a device without TF32: the CPU, or a
+GPU below compute capability 8.0, where tf32 is refused because it would time fp32 again).
 
 ``--model transformer`` times a Linear-heavy decoder stack (``precisionloop.recipes.models``) on
 random tokens instead of a torchvision model on random images: on CUDA by default the reference
@@ -37,7 +39,7 @@ from precisionloop.policy import PrecisionPolicy
 from precisionloop.recipes import models
 
 ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-BASELINE = "tf32"
+BASELINE = "tf32"  # the "vs" row's reference where TF32 exists; strict fp32 elsewhere (parse_args sets args.baseline)
 TRANSFORMER = "transformer"
 TRANSFORMER_SIZES = ("layers", "d_model", "d_ff", "heads", "seq_len", "vocab")  # flags --layers, --d-model, ...
 OPTIMIZERS = {"sgd": "SGD momentum 0.9", "adamw": "AdamW"}
@@ -211,8 +213,10 @@ def measure(precision: str, batch_size: int, args, device: torch.device, systems
             for s, m in measured.items()]
 
 
-def format_table(results: list[Result], system: str, precisions: list[str], batch_sizes: list[int]) -> str:
-    """A row block per batch size, a column per precision: time (median [min-max] over rounds), peak memory, and vs tf32."""
+def format_table(results: list[Result], system: str, precisions: list[str], batch_sizes: list[int],
+                 baseline: str = BASELINE) -> str:
+    """A row block per batch size, a column per precision: time (median [min-max] over rounds), peak memory, and the
+    speed-up and memory change vs ``baseline`` when it was measured."""
     cell = {(r.batch_size, r.precision): r for r in results if r.system == system}
     width = max([24] + [len(format_time(r)) for r in cell.values()])
     kinds = {r.memory_kind for r in cell.values() if r.memory_kind != "n/a"}
@@ -227,9 +231,9 @@ def format_table(results: list[Result], system: str, precisions: list[str], batc
         rs = [cell.get((bs, p)) for p in precisions]
         lines.append(row(str(bs), ["-" if r is None else "error" if r.error else format_time(r) for r in rs]))
         lines.append(row(mem_label, ["" if r is None or r.error else format_memory(r) for r in rs]))
-        base = cell.get((bs, BASELINE))
+        base = cell.get((bs, baseline))
         if base is not None and not base.error:
-            lines.append(row("vs " + BASELINE, [_versus(r, base) for r in rs]))
+            lines.append(row("vs " + baseline, [_versus(r, base) for r in rs]))
     legend = noisy_legend(cell.values())
     return "\n".join(lines + ([legend] if legend else []))
 
@@ -301,8 +305,9 @@ def _parser() -> argparse.ArgumentParser:
                         "for the transformer 8 on CUDA, 4 on the CPU)")
     p.add_argument("--precisions", default=None,
                    help=f"comma-separated among {','.join(ALL_PRECISIONS)},fp8 (default {','.join(ALL_PRECISIONS)} on "
-                        "CUDA; fp32,tf32,bf16 on the CPU); fp8 needs torchao and CUDA compute capability 8.9+, "
-                        "and is always timed compiled")
+                        "CUDA of compute capability 8.0+, fp32,bf16,fp16 on older GPUs, fp32,bf16 on the CPU); "
+                        "tf32 needs CUDA compute capability 8.0+ (elsewhere it is fp32, so it is refused); fp8 needs "
+                        "torchao and CUDA compute capability 8.9+, and is always timed compiled")
     p.add_argument("--iters", type=int, default=None, help="timed steps per configuration and round (default 50 on CUDA, 6 on the CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first in each round, for cudnn.benchmark to settle (default 15 on CUDA, 2 on the CPU)")
     p.add_argument("--rounds", type=int, default=3,
@@ -345,22 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = device.type == "cuda"
     args.device = device
     args.notes = []
-    if args.precisions is None:
-        args.precisions = ",".join(ALL_PRECISIONS if cuda else ("fp32", "tf32", "bf16"))
-        if not cuda:
-            args.notes.append("fp16 left out on the CPU by default: its autocast is ~20x slower than fp32 there (ask with --precisions)")
-    args.precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
-    if not args.precisions:
-        p.error(f"--precisions names none; valid: {', '.join(ALL_PRECISIONS)} (comma-separated)")
-    names = {}
-    for name in args.precisions:
-        try:
-            policy_name = get_policy(name).name
-        except ValueError as e:
-            p.error(f"--precisions: {e}")
-        if policy_name in names:  # an alias of one given before (fp32 and float32) would measure it twice
-            p.error(f"--precisions names {policy_name} twice ({names[policy_name]!r} and {name!r})")
-        names[policy_name] = name
+    names = _precision_args(p, args, device)
     if args.autotune:
         tunable = tunable_precisions(device)
         if not any(n in tunable for n in names):
@@ -395,6 +385,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not cuda:
         args.notes.append(_cpu_note(args))
     return args
+
+
+def has_tf32(device: torch.device) -> bool:
+    """Whether ``device`` has TF32 math: CUDA of compute capability 8.0 or higher. Elsewhere tf32 is plain fp32."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _precision_args(p: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> dict[str, str]:
+    """Settle --precisions and the "vs" baseline (tf32, or fp32 without TF32); policy name -> the spelling given."""
+    tf32 = has_tf32(device)
+    args.baseline = BASELINE if tf32 else "fp32"
+    if args.precisions is None:
+        defaults = [n for n in ALL_PRECISIONS if (n != "tf32" or tf32) and (n != "fp16" or device.type == "cuda")]
+        args.precisions = ",".join(defaults)
+        if device.type != "cuda":
+            args.notes.append("fp16 left out on the CPU by default: its autocast is ~20x slower than fp32 there (ask with --precisions)")
+    args.precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
+    if not args.precisions:
+        p.error(f"--precisions names none; valid: {', '.join(ALL_PRECISIONS)} (comma-separated)")
+    names = {}
+    for name in args.precisions:
+        try:
+            policy_name = get_policy(name).name
+        except ValueError as e:
+            p.error(f"--precisions: {e}")
+        if policy_name in names:  # an alias of one given before (fp32 and float32) would measure it twice
+            p.error(f"--precisions names {policy_name} twice ({names[policy_name]!r} and {name!r})")
+        if policy_name == "tf32" and not tf32:  # it would time fp32 a second time under another name
+            where = "the CPU" if device.type == "cpu" else (
+                f"{device} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})")
+            p.error(f"--precisions tf32: TF32 needs a CUDA GPU of compute capability 8.0+, and {where} has none "
+                    "(tf32 would run as fp32); use fp32")
+        names[policy_name] = name
+    return names
 
 
 def _image_args(p: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool) -> None:
@@ -503,9 +527,11 @@ def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
 
 
 def _alternation(args: argparse.Namespace) -> str:
+    """How a round times its systems: one after the other, or built side by side with their timed steps alternating."""
     if args.blocks == 1:
-        return ", one system at a time"
-    return ", alternating step by step" if args.blocks == args.iters else f" in {args.blocks} alternating blocks"
+        return "each round runs the systems one after the other, each alone in memory, in an order rotated by the round"
+    steps = "step by step" if args.blocks == args.iters else f"in {args.blocks} blocks"
+    return f"each round builds the systems side by side and alternates their timed steps {steps}"
 
 
 def header(args: argparse.Namespace, env: dict) -> str:
@@ -523,9 +549,8 @@ def header(args: argparse.Namespace, env: dict) -> str:
         layout = "policy default" if args.channels_last is None else args.channels_last
     return (f"precisionloop benchmark: {args.model} training steps (forward, backward, {optimizer}), {env['date']}\n"
             f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
-            f"{inputs}, {args.rounds} rounds (systems interleaved, a fresh model and optimizer "
-            f"each) of {args.warmup} warm-up + {args.iters} timed steps"
-            f"{_alternation(args)}"
+            f"{inputs}, {args.rounds} rounds of {args.warmup} warm-up + {args.iters} timed steps per system, "
+            f"a fresh model and optimizer each; {_alternation(args)}"
             "; median over rounds of per-round medians [min-max]"
             f" | channels_last: {layout}")
 
@@ -548,15 +573,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if args.autotune:
         results += run_autotune(args, device)
     say("\nprecisionloop Trainer.step, median ms [min-max over rounds], peak memory "
-        "(below each block: speed-up and memory change vs tf32):")
-    say(format_table(results, "precisionloop", args.precisions, args.batch_sizes))
+        f"(below each block: speed-up and memory change vs {args.baseline}):")
+    say(format_table(results, "precisionloop", args.precisions, args.batch_sizes, args.baseline))
     tuned = [r for r in results if r.system == "autotune"]
     for r in tuned:
         say(f"autotune's choice at batch {r.batch_size}: {r.precision}, {r.median_ms:.2f} ms / {format_memory(r)} "
             "(autotune's own timing)")
     if "hand" in systems:
         say("\nhand-written torch.amp loop, same settings:")
-        say(format_table(results, "hand", args.precisions, args.batch_sizes))
+        say(format_table(results, "hand", args.precisions, args.batch_sizes, args.baseline))
         say("\n" + format_wrapper_cost(results))
     for r in results:
         if r.error:
