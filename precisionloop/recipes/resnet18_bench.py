@@ -542,8 +542,8 @@ def memory_of(precision: str, batch_size: int, args, device: torch.device) -> Me
     """The memory breakdown of a fresh Trainer at ``precision``, as the timed systems build it, read during a step.
 
     On CUDA, ``--warmup`` steps (one at least) run first and the peak is then restarted, as before the timed steps.
-    Then two steps: the breakdown is read in the second, between its backward and its optimizer step (the probe
-    that fit's underflow telemetry uses), so the gradients and the first step's optimizer state are present.
+    Then two steps: the breakdown is read in the second, between its backward and its optimizer step (the engine's
+    hook that fit's underflow telemetry uses), so the gradients and the first step's optimizer state are present.
     """
     policy = policy_for(precision, args)
     reset_memory(device)
