@@ -2,6 +2,7 @@
 
 from .tuning import AutotuneResult, Candidate, autotune
 from .fp8 import FP8Policy
+from .memory import MemoryBreakdown, memory_breakdown
 from .policy import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy
 from .precisions import get_policy
 from .trainer import StepResult, Trainer, TrainStats
@@ -19,5 +20,7 @@ __all__ = [
     "autotune",
     "Candidate",
     "AutotuneResult",
+    "memory_breakdown",
+    "MemoryBreakdown",
 ]
 __version__ = "0.2.0"

@@ -20,6 +20,7 @@ from . import distributed as _dist
 from .devices import parse_device, resolve_device
 from .engine import StepEngine
 from .guard import fuse_default_optimizer
+from .memory import MemoryBreakdown, memory_breakdown
 from .policy import PrecisionPolicy
 from .precisions import get_policy, is_auto
 from .prepare import compile_mode, prepare_model
@@ -222,10 +223,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        """Run the block as the training step runs its forward: the policy's autocast and backend flags.
-
-        For your own evaluation or inference code; both are restored after the block.
-        """
+        """The training step's autocast and backend flags, for your own evaluation code; restored after the block."""
         with self.policy.backend_flags(), self.policy.autocast(self.device.type):
             yield
 
@@ -243,6 +241,10 @@ class Trainer:
     def scaler(self) -> torch.amp.GradScaler | None:
         """The loss scaler, or ``None`` when the policy needs none."""
         return self.engine.guard.scaler
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Parameters, gradients, optimizer state and on CUDA the peak, in MB: :func:`precisionloop.memory_breakdown`."""
+        return memory_breakdown(self)
 
     global_step = _forwarded("engine", "global_step", "Optimizer steps taken or skipped.")
     epoch = _forwarded("loop_state", "epoch", "Completed epochs.")

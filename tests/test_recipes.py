@@ -75,7 +75,9 @@ def test_benchmark_recipe_times_the_trainer_step(monkeypatch):
     original = Trainer.step
     monkeypatch.setattr(Trainer, "step", lambda self, batch: calls.append(1) or original(self, batch))
     resnet18_bench.main([*TINY, "--batch-sizes", "2", "--precisions", "bf16", "--no-hand-loop"])
-    assert len(calls) == 3 * 3  # three rounds (the default) of one warm-up and two timed steps, all through Trainer.step
+    # Three rounds (the default) of one warm-up and two timed steps, all through Trainer.step; then the memory
+    # table's two steps (on the CPU no warm-up).
+    assert len(calls) == 3 * 3 + 2
 
 
 def test_benchmark_recipe_blocks_time_both_systems_side_by_side(tmp_path, capsys):
@@ -89,6 +91,25 @@ def test_benchmark_recipe_blocks_time_both_systems_side_by_side(tmp_path, capsys
     assert {r["system"] for r in data["results"]} == {"precisionloop", "hand"}
     for r in data["results"]:
         assert r["error"] is None and len(r["rounds_ms"]) == 2 and r["settings"]["blocks"] == 2
+
+
+
+def test_benchmark_recipe_prints_where_the_memory_goes(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    resnet18_bench.main([*TINY, "--precisions", "fp32,bf16", "--rounds", "1", "--iters", "1", "--warmup", "0",
+                         "--no-hand-loop", "--json", str(out)])
+    text = capsys.readouterr().out
+    table = text.split("where the memory goes (batch 3), MB", 1)[1].splitlines()  # the largest batch size
+    assert table[1].split() == ["|", "fp32", "|", "bf16"]
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in table[2:] if "|" in line}
+    assert list(rows) == ["parameters", "buffers", "gradients", "optimizer state"]  # the CUDA-only rows left out
+    # torchvision's ResNet18 has 11,689,512 fp32 parameters: 44.59 MB; SGD's momentum and the gradients match them.
+    assert all([c.strip() for c in rows[name]] == ["44.6", "44.6"] for name in ("parameters", "gradients",
+                                                                                 "optimizer state"))
+    assert "measured on CUDA" in text
+    memory = json.loads(out.read_text())["memory"]
+    assert memory["batch_size"] == 3 and round(memory["bf16"]["parameters_mb"] * 2**20) == 11_689_512 * 4
+    assert memory["fp32"]["peak_mb"] is None and memory["fp32"]["reserved_mb"] is None
 
 
 @pytest.mark.parametrize("argv, message", [

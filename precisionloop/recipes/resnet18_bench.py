@@ -7,7 +7,10 @@ in several interleaved rounds (``precisionloop.measure.interleaved``), a fresh m
 each round: by default on CUDA the two systems' timed steps alternate step by step (``--blocks``), on
 the CPU the systems run one after the other. Each is reported as the median over rounds with the rounds' min-max
 spread, and beside it its speed-up over tf32 (over strict fp32 on a device without TF32: the CPU, or a
-GPU below compute capability 8.0, where tf32 is refused because it would time fp32 again).
+GPU below compute capability 8.0, where tf32 is refused because it would time fp32 again). After the speed
+tables, a table per precision says where the memory goes at the largest batch size
+(``precisionloop.memory_breakdown``, read during a step): parameters, buffers, gradients and optimizer state
+exactly; on CUDA also the peak, what it holds beyond those (activations and workspace) and the allocator's reserve.
 
 ``--model transformer`` times a Linear-heavy decoder stack (``precisionloop.recipes.models``) on
 random tokens instead of a torchvision model on random images: on CUDA by default the reference
@@ -31,10 +34,10 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop._compat import compile_modes
-from precisionloop import FP8Policy, Trainer, autotune, get_policy
+from precisionloop import FP8Policy, MemoryBreakdown, Trainer, autotune, get_policy
 from precisionloop.tuning import default_candidates, tunable_precisions
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
-                                   noisy_legend, paired_ratio)
+                                   noisy_legend, paired_ratio, reset_memory)
 from precisionloop.policy import PrecisionPolicy
 from precisionloop.recipes import models
 
@@ -555,6 +558,71 @@ def header(args: argparse.Namespace, env: dict) -> str:
             f" | channels_last: {layout}")
 
 
+MEMORY_ROWS = (("parameters_mb", "parameters"), ("buffers_mb", "buffers"), ("gradients_mb", "gradients"),
+               ("optimizer_state_mb", "optimizer state"), ("activations_and_workspace_mb", "activations+workspace"),
+               ("peak_mb", "peak"), ("reserved_mb", "reserved"))
+
+
+def memory_of(precision: str, batch_size: int, args, device: torch.device) -> MemoryBreakdown:
+    """The memory breakdown of a fresh Trainer at ``precision``, as the timed systems build it, read during a step.
+
+    On CUDA, ``--warmup`` steps (one at least) run first and the peak is then restarted, as before the timed steps.
+    Then two steps: the breakdown is read in the second, between its backward and its optimizer step (the engine's
+    hook that fit's underflow telemetry uses), so the gradients and the first step's optimizer state are present.
+    """
+    policy = policy_for(precision, args)
+    reset_memory(device)
+    model = make_model(args)
+    trainer = Trainer(model, make_optimizer(model.parameters(), args.fused, args.optimizer), policy, device=device,
+                      compile=compile_for(policy, args, device), distributed=args.distributed, loss_fn=loss_of(args))
+    batch = trainer.to_device(make_batch(args, batch_size, device))
+    if device.type == "cuda":  # elsewhere only the exact parts are read, and they need no warm-up
+        for _ in range(max(args.warmup, 1)):
+            trainer.step(batch)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    seen: list[MemoryBreakdown] = []
+    trainer.step(batch)
+    trainer.engine.probe = lambda step: seen.append(trainer.memory_breakdown())
+    trainer.step(batch)
+    trainer.engine.probe = None
+    return seen[0]
+
+
+def memory_breakdowns(args, device: torch.device) -> dict[str, MemoryBreakdown | str]:
+    """``memory_of`` per precision at the largest batch size; an error's first line where one failed."""
+    got: dict[str, MemoryBreakdown | str] = {}
+    for precision in args.precisions:
+        try:
+            got[precision] = memory_of(precision, max(args.batch_sizes), args, device)
+        except (RuntimeError, ValueError) as e:  # out of memory, a policy this device cannot run
+            got[precision] = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return got
+
+
+def format_memory_table(breakdowns: dict[str, MemoryBreakdown | str], batch_size: int) -> str:
+    """A column per precision, a row per part in MB; rows no precision has (the CUDA-only ones elsewhere) left out."""
+    parts = {p: b.to_dict() for p, b in breakdowns.items() if isinstance(b, MemoryBreakdown)}
+    rows = [(key, name) for key, name in MEMORY_ROWS if any(d[key] is not None for d in parts.values())]
+    width = max([9] + [len(p) for p in breakdowns])
+    label = max(len(name) for _, name in MEMORY_ROWS)
+
+    def cell(precision: str, key: str) -> str:
+        value = parts[precision][key] if precision in parts else None
+        return "" if value is None else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+    lines = [f"\nwhere the memory goes (batch {batch_size}), MB, read between a step's backward and its optimizer step:",
+             f"{'':>{label}} | " + " | ".join(f"{p:>{width}}" for p in breakdowns)]
+    lines += [f"{name:>{label}} | " + " | ".join(f"{cell(p, key):>{width}}" for p in breakdowns) for key, name in rows]
+    lines += [f"{p}: {b}" for p, b in breakdowns.items() if not isinstance(b, MemoryBreakdown)]
+    if any(d["peak_mb"] is not None for d in parts.values()):
+        lines.append("peak: allocated since the steps before it (torch.cuda.max_memory_allocated); "
+                     "activations+workspace: the peak less the four parts above it")
+    elif parts:
+        lines.append("exact parts only: the peak, the activations and workspace and the reserve are measured on CUDA")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
     device: torch.device = args.device
@@ -583,13 +651,18 @@ def main(argv: list[str] | None = None) -> list[Result]:
         say("\nhand-written torch.amp loop, same settings:")
         say(format_table(results, "hand", args.precisions, args.batch_sizes, args.baseline))
         say("\n" + format_wrapper_cost(results))
+    memory = memory_breakdowns(args, device)
+    say(format_memory_table(memory, max(args.batch_sizes)))
     for r in results:
         if r.error:
             say(f"error: {r.system} {r.precision} batch {r.batch_size}: {r.error.splitlines()[0]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
-                       "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
+                       "results": [dataclasses.asdict(r) for r in results],
+                       "memory": {"batch_size": max(args.batch_sizes),
+                                  **{p: b.to_dict() if isinstance(b, MemoryBreakdown) else b for p, b in memory.items()}}},
+                      f, indent=2)
         say(f"results written to {args.json}")
     if args.plot:
         write_plot(results, args.plot, f"{args.model} on {env['device_name']}")

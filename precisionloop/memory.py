@@ -1,0 +1,128 @@
+"""Where a Trainer's memory goes: parameters, buffers, gradients and optimizer state, exactly, from the tensors
+themselves; on CUDA also the allocator's peak, what the peak holds beyond them, and what it has reserved.
+
+It takes the Trainer as an argument (any object with ``model``, ``optimizer`` and ``device``) and imports nothing
+from the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+import torch
+
+__all__ = ["MemoryBreakdown", "memory_breakdown"]
+
+_MB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """A Trainer's memory in MB (2**20 bytes), from :func:`memory_breakdown`.
+
+    The first four are exact on every device: the bytes of the tensors' storages, each storage counted once. The
+    last three are ``None`` off CUDA. The allocator rounds every block up (to 512 bytes on CUDA); that rounding
+    is in none of the exact parts, nor are the loss scaler's two scalars.
+    """
+
+    parameters_mb: float
+    """every parameter of the model, trainable or not; under FSDP2 this process's local shard"""
+    buffers_mb: float
+    """the model's buffers (BatchNorm's running statistics, for one)"""
+    gradients_mb: float
+    """the ``.grad`` tensors present now; the Trainer frees them after each optimizer step"""
+    optimizer_state_mb: float
+    """every tensor in ``optimizer.state``: Adam's ``exp_avg``, ``exp_avg_sq``, ``step``; SGD's ``momentum_buffer``"""
+    peak_mb: float | None = None
+    """CUDA: ``torch.cuda.max_memory_allocated`` on the Trainer's device since ``torch.cuda.reset_peak_memory_stats``"""
+    activations_and_workspace_mb: float | None = None
+    """CUDA: the peak less the rest (the four exact parts on the Trainer's device), at least 0"""
+    reserved_mb: float | None = None
+    """CUDA: ``torch.cuda.memory_reserved`` now, the allocator's cache included"""
+
+    def to_dict(self) -> dict[str, float | None]:
+        """The fields by name."""
+        return dataclasses.asdict(self)
+
+
+def _leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors holding a tensor's data: itself, or a subclass's inner tensors (a DTensor's local shard)."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        yield tensor
+        return
+    for name in flatten()[0]:
+        inner = getattr(tensor, name)
+        if isinstance(inner, torch.Tensor):  # a DTensor also names its device mesh
+            yield from _leaves(inner)
+
+
+def _storage_bytes(tensors: Iterable[Any]) -> dict[torch.device, int]:
+    """Bytes of the storages behind ``tensors`` (non-tensors ignored), by device, each storage counted once."""
+    # Memory is held by storages, not tensors: a view (a slice of a flat buffer, a transposed weight) and two
+    # parameters aliasing one tensor share a storage, so it is counted once, and whole, keyed by its base address.
+    seen: set[tuple[torch.device, int]] = set()
+    total: dict[torch.device, int] = {}
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        for leaf in _leaves(tensor):
+            storage = leaf.untyped_storage()
+            key = (leaf.device, storage.data_ptr())
+            if storage.nbytes() and key not in seen:
+                seen.add(key)
+                total[leaf.device] = total.get(leaf.device, 0) + storage.nbytes()
+    return total
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Any]:
+    for state in optimizer.state.values():
+        yield from state.values()
+
+
+def _cuda_device(device: torch.device) -> torch.device:
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def memory_breakdown(trainer: Any) -> MemoryBreakdown:
+    """Where ``trainer``'s memory goes now: parameters, buffers, gradients, optimizer state; on CUDA the peak.
+
+    The exact parts are read from the tensors on every device: each storage's bytes (``untyped_storage().nbytes()``),
+    a storage shared by views or tied weights counted once. Under FSDP2 the parameters, their gradients and the
+    optimizer state are DTensors, and what is counted is this process's local shard. Gradients are those present
+    now: the Trainer sets them to ``None`` after each optimizer step, so they are 0 then, and full-sized while an
+    accumulation window is open.
+
+    On CUDA, ``peak_mb`` is ``torch.cuda.max_memory_allocated`` on the Trainer's device since the last
+    ``torch.cuda.reset_peak_memory_stats()`` (or since the process started), and
+    ``activations_and_workspace_mb`` is the peak less the rest: the peak minus the exact parts that live on that
+    device, clamped at 0. It is everything else the peak held: activations saved for backward, kernels' workspace,
+    the optimizer step's temporaries, the gradients if none are present now. ``reserved_mb`` is
+    ``torch.cuda.memory_reserved``: what the caching allocator holds, used or not. With
+    ``compile="reduce-overhead"`` the CUDA graphs' private memory pools are included in ``reserved_mb`` and may
+    be in the peak.
+
+    Example:
+        >>> import torch
+        >>> from precisionloop import Trainer, memory_breakdown
+        >>> model = torch.nn.Linear(16, 8)
+        >>> trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", device="cpu")
+        >>> memory_breakdown(trainer).parameters_mb * 2**20  # (16 * 8 + 8) fp32 values
+        544.0
+    """
+    model, device = trainer.model, trainer.device
+    parts = {
+        "parameters_mb": _storage_bytes(model.parameters()),
+        "buffers_mb": _storage_bytes(model.buffers()),
+        "gradients_mb": _storage_bytes(p.grad for p in model.parameters()),
+        "optimizer_state_mb": _storage_bytes(_optimizer_tensors(trainer.optimizer)),
+    }
+    exact = {name: sum(by_device.values()) / _MB for name, by_device in parts.items()}
+    if device.type != "cuda":
+        return MemoryBreakdown(**exact)
+    device = _cuda_device(device)
+    peak = torch.cuda.max_memory_allocated(device) / _MB
+    here = sum(by_device.get(device, 0) for by_device in parts.values()) / _MB
+    return MemoryBreakdown(**exact, peak_mb=peak, activations_and_workspace_mb=max(peak - here, 0.0),
+                           reserved_mb=torch.cuda.memory_reserved(device) / _MB)
