@@ -40,26 +40,21 @@ class LossNotScalar(ValueError):
 
 
 class _HostCopy:
-    """A step's verdict row on its way to the host: a non-blocking copy into pinned memory and an event after it.
+    """A step's verdict row on its way to the host: a non-blocking copy and an event after it (CUDA only).
 
-    On CUDA only; elsewhere the row is the host copy, booked at once. A buffer and its event are reused once the
-    copy they held has been read (``last``).
+    torch puts a non-blocking copy to the CPU in pinned memory from its caching host allocator. Elsewhere the
+    row is its own host copy, booked at once.
     """
 
     __slots__ = ("values", "event")
 
-    def __init__(self, row: torch.Tensor, last: _HostCopy | None = None):
+    def __init__(self, row: torch.Tensor):
         if not row.is_cuda:
             self.values, self.event = row, None
             return
-        if last is not None and last.event is not None and last.values.shape == row.shape \
-                and last.values.dtype == row.dtype:
-            self.values, self.event = last.values, last.event
-        else:
-            with torch.inference_mode(False):
-                self.values = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
-            self.event = torch.cuda.Event()
-        self.values.copy_(row, non_blocking=True)
+        with torch.inference_mode(False):
+            self.values = row.to("cpu", non_blocking=True)
+        self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(row.device))  # the copy's stream, whichever device is current
 
     def landed(self) -> bool:
@@ -102,7 +97,6 @@ class StepEngine:
         self.probe: Callable[[int], None] | None = None
         self.after_step: Callable[[], None] | None = None
         self._pending: list[_HostCopy] = []  # verdicts not booked yet, oldest first: at most two
-        self._spare: _HostCopy | None = None  # a copy read and booked: its buffer and event take the next one
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
@@ -192,8 +186,7 @@ class StepEngine:
             self.guard.step(self.optimizer, found_inf)
             self.guard.update()
             row = self._verdict(found_inf, loss)
-            spare, self._spare = self._spare, None  # taken first: an interrupt must not leave it shared
-            copy = _HostCopy(row, spare)
+            copy = _HostCopy(row)
             self._pending.append(copy)
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced = 0, False
@@ -218,7 +211,7 @@ class StepEngine:
         for _ in range(len(self._pending)):  # the steps before it first, each on its own
             with contextlib.suppress(Exception, KeyboardInterrupt):
                 self._book_oldest()
-        self._pending, self._spare = [], None  # what could not be read is given up, with its buffer
+        self._pending = []  # what could not be read is given up
         with contextlib.suppress(Exception, KeyboardInterrupt):
             if self.guard.scaler is not None:
                 self.last_scale = self.guard.scale_value()
@@ -273,7 +266,7 @@ class StepEngine:
     def _book_oldest(self) -> None:
         values = self._pending[0].read()  # an interrupt in the wait leaves it pending, to be read next time
         self._count(values)
-        self._spare = self._pending.pop(0)  # counted: never counted again, even if what follows raises
+        self._pending.pop(0)  # counted: never counted again, even if what follows raises
         self._follow(values)
 
     def counters(self) -> dict:
@@ -293,7 +286,7 @@ class StepEngine:
 
     def discard_pending(self) -> None:
         """Forget the verdict not yet booked: a load replaces the counters, stats and scheduler it would change."""
-        self._pending, self._spare = [], None  # a copy may be in flight: the next one gets a buffer of its own
+        self._pending = []
 
     def _count(self, values: list[float]) -> None:
         """A verdict's counters; no user code runs here."""

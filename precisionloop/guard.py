@@ -209,26 +209,9 @@ class FiniteGuard:
         return loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The inf/NaN verdict of ``grads`` (an inverse scale of one leaves them as they are), as a device tensor.
-
-        Plain dense gradients take one fused call; shards (FSDP2's DTensors) and sparse gradients, or
-        gradients torch refuses to take together (several devices), are checked per (device, dtype) group.
-        The cross-rank agreement runs once, after the check.
-        """
-        first = grads[0] if grads else None
-        if first is not None and type(first) is torch.Tensor and not first.is_sparse:
-            found = self._zero_on(first.device)
-            try:
-                _compat.non_finite_check_(grads, found, self._one_on(found.device))
-            except (RuntimeError, NotImplementedError, TypeError):  # the check reads the gradients only: a rerun is safe
-                found = self._grouped(grads)
-        else:
-            found = self._grouped(grads)
-        if self.all_reduce_max is not None:
-            self.all_reduce_max(found)
-        return found
-
-    def _grouped(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The inf/NaN verdict of ``grads`` as a device tensor: torch's fused check per (device, dtype) group, with an
+        inverse scale of one; shards (FSDP2's DTensors) and sparse gradients are checked by their local values.
+        The verdicts are summed on the first group's device, then agreed across ranks."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in grads:
             g = _compat.dense_values(g)
@@ -239,6 +222,8 @@ class FiniteGuard:
             _compat.non_finite_check_(tensors, here, self._one_on(where))
             if here is not found:
                 found += here.to(found.device)
+        if self.all_reduce_max is not None:
+            self.all_reduce_max(found)
         return found
 
     @staticmethod

@@ -445,26 +445,14 @@ class CountingPolicy(FP16Policy):
 
 
 def test_custom_policy_subclass_is_honoured():
-    model = Probe16()
+    model = Probe()
     policy = CountingPolicy()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), policy, device="cpu")
     assert trainer.policy is policy and model.prepared_by == "counting-fp16"
     results = [trainer.step(b) for b in batches(2)]
     assert policy.calls == 2  # asked for anew each step
-    assert model.dtypes == [torch.bfloat16, torch.bfloat16]
+    assert [seen["out_dtype"] for seen in model.seen] == [torch.bfloat16, torch.bfloat16]
     assert [r.scale for r in results] == [8.0, 16.0]
-
-
-class Probe16(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(16, 4)
-        self.dtypes = []
-
-    def forward(self, x):
-        out = self.linear(x)
-        self.dtypes.append(out.dtype)
-        return out
 
 
 class _AutocastSeen(nn.Module):
