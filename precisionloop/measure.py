@@ -489,8 +489,8 @@ def choose_method(device: torch.device, compiled: bool) -> tuple[str, str]:
     Compiled steps on CUDA: pipelined. Eager steps on CUDA: alternating (step by step). Elsewhere: alone.
     """
     if device.type != "cuda":
-        return "alone", ("off CUDA the wall clock times each step, one system at a time, so each is alone in memory "
-                         "and its resident-set growth is its own")
+        return "alone", ("off CUDA the wall clock times each step, and a system alone in memory has a resident-set "
+                         "growth of its own")
     if compiled:
         return "pipelined", ("compiled: a step started on an idle GPU adds in series the host time before its first "
                              "kernel runs (guards, graph launch), which a training loop hides behind the step before; "
