@@ -413,6 +413,22 @@ def test_peers_script_runs_and_skips_missing_peers(tmp_path, capsys):
     assert json.loads(out.read_text())["results"]
 
 
+def test_fp8_script_times_bf16_against_fp8_and_compares_their_losses_on_the_cpu(tmp_path, capsys):
+    fp8 = _benchmark_script("fp8")
+    out = tmp_path / "fp8.json"
+    report = fp8.main(["--tiny", "--part", "speed,loss", "--loss-steps", "3", "--rounds", "2", "--iters", "2",
+                       "--warmup", "1", "--seq-batch", "2", "--json", str(out)])
+    speed, loss = report["parts"]["speed"], report["parts"]["loss"]
+    assert speed["method"] == "alone" and set(speed["timings"]) == {"bf16", "fp8"}  # fp8 emulated with --tiny
+    assert all(len(t["rounds_ms"]) == 2 and t["error"] is None for t in speed["timings"].values())
+    ratios = [f / b for b, f in zip(speed["timings"]["bf16"]["rounds_ms"], speed["timings"]["fp8"]["rounds_ms"])]
+    assert speed["speedup_fp8_vs_bf16"] == pytest.approx([2 / sum(ratios), 1 / max(ratios), 1 / min(ratios)])
+    assert loss["ratio"] == pytest.approx(loss["end_loss"]["fp8"] / loss["end_loss"]["bf16"])
+    assert len(loss["curves"]["bf16"]) == len(loss["curves"]["fp8"]) == 3
+    assert "timing: alone:" in capsys.readouterr().out
+    assert json.loads(out.read_text())["parts"]["speed"]["sizes"]["d_model"] == 64
+
+
 def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
     loop_cost = _benchmark_script("loop_cost")
     out = tmp_path / "loop_cost.json"
