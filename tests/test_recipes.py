@@ -502,6 +502,31 @@ def test_peers_pair_their_fp32_with_ours_on_the_cpu(monkeypatch):
     assert peers._group("fp32", args) == "tf32" and peers._group("bf16", args) == "bf16"
 
 
+def test_peers_time_each_peer_at_its_default_layout_and_in_channels_last(monkeypatch):
+    import torch
+
+    peers = _benchmark_script("peers")
+    seen = {}
+
+    def fake_peer(model, batch, precision, device, fused):
+        conv = model.conv1.weight
+        seen[len(seen)] = (conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous(),
+                           batch[0].is_contiguous(memory_format=torch.channels_last) and not batch[0].is_contiguous())
+        return lambda: None
+
+    monkeypatch.setitem(peers.PEERS, "fake", fake_peer)
+    assert peers.peer_systems(["fake"], ["default", "channels_last"]) == [("fake", "fake", False),
+                                                                          ("fake+channels_last", "fake", True)]
+    args = peers.bench.parse_args(TINY)
+    results = peers.measure_group(2, "bf16", args, peers.peer_systems(["fake"], list(peers.LAYOUTS)), ["bf16"],
+                                  on_run=lambda r, n: None)
+    assert {r.system for r in results} == {"precisionloop", "hand", "fake", "fake+channels_last"}
+    assert all(r.error is None and r.settings["method"] == "alone" for r in results)
+    assert set(seen.values()) == {(False, False), (True, True)}  # one NCHW instance per round, one channels_last
+    with pytest.raises(SystemExit):
+        peers.main(["--device", "cpu", "--peer-layouts", "nhwc"])
+
+
 def test_peers_refuses_an_unknown_peer_precision_and_skips_a_group_with_no_system(capsys):
     peers = _benchmark_script("peers")
     with pytest.raises(SystemExit):
