@@ -111,7 +111,8 @@ def _trainer_factory(policy, args, device: torch.device):
 
     def build() -> Run:
         torch.manual_seed(0)
-        model = _stack(sizes)
+        with device:  # built where it trains: initialising 877M parameters on the host takes seconds
+            model = _stack(sizes)
         trainer = Trainer(model, adamw(model.parameters()), policy, device=device, compile=device.type == "cuda",
                           loss_fn=models.lm_loss)
         batch = trainer.to_device(models.random_tokens(args.seq_batch, sizes["seq_len"], sizes["vocab"], device))
@@ -173,7 +174,8 @@ def loss_curves(args, device: torch.device) -> dict:
     policies = _policies(args, device)
     curves = {}
     for name, policy in policies.items():
-        model = _stack(ref)
+        with device:
+            model = _stack(ref)
         model.load_state_dict(init)
         trainer = Trainer(model, adamw(model.parameters()), policy, device=device, compile=device.type == "cuda",
                           loss_fn=models.lm_loss)
