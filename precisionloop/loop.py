@@ -288,8 +288,9 @@ class _EpochTotals:
     def next_batch(self, iterator: Any) -> Any:
         """The loader's next batch (``_END`` at the end), the wait timed on the host.
 
-        Only the wait: a copy from pageable memory to the device would also wait for the GPU's queued
-        work, and count the step's time as the input's.
+        Only the wait, with the device feed or without: the copy to the device is not in it (from pageable
+        memory on the step's stream it would also wait for the GPU's queued work, and count the step's
+        time as the input's).
         """
         began = time.perf_counter()
         batch = next(iterator, _END)

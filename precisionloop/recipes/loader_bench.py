@@ -38,7 +38,6 @@ from precisionloop.measure import format_ratio, format_time, paired_ratio
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, on the 0-1 scale
 IMAGE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
-SYSTEMS = ("loader alone", "resident step", "hand loop", "fit", "fit, no feed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
