@@ -10,7 +10,7 @@ PY=${PYTHON:-python}
 # 1. The CUDA tests of the input pipeline and of the files around it (~45 s): feed on/off bit for bit (fp32, bf16;
 #    float32 and uint8; pinned and not), nested dict batches, errors from the loader and the model mid-epoch,
 #    memory after fit, exact resume with the feed; the --loader mode on CUDA.
-timeout 75 $PY -m pytest -q -m gpu tests/test_input.py tests/test_recipes.py tests/test_bad_input.py \
+timeout 70 $PY -m pytest -q -m gpu tests/test_input.py tests/test_recipes.py tests/test_bad_input.py \
     > "$OUT/feed-tests.txt" 2>&1
 echo "pytest exit code: $?" >> "$OUT/feed-tests.txt"
 
@@ -24,7 +24,7 @@ echo "loader mode exit code: $?" >> "$OUT/feed-loader.txt"
 
 # 3. The feed alone (~25 s): fit over 16 batches already in host memory (no loader wait, so the copy is all the
 #    input costs), feed on and off alternating over 5 rounds, ms per step and the per-round ratio.
-timeout 40 $PY - "$OUT/feed-alone.json" > "$OUT/feed-alone.txt" 2>&1 <<'PYEOF'
+timeout 45 $PY - "$OUT/feed-alone.json" > "$OUT/feed-alone.txt" 2>&1 <<'PYEOF'
 import json, statistics, sys, time
 
 import torch
