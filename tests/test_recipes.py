@@ -442,6 +442,45 @@ def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
     assert "bf16 b32 fused-sgd eager" in capsys.readouterr().out
 
 
+def test_the_loader_mode_times_fit_beside_the_resident_step_and_a_hand_loop(tmp_path, capsys, monkeypatch):
+    from precisionloop import Trainer
+
+    out = tmp_path / "loader.json"
+    fits = []
+    original = Trainer.fit
+    monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: fits.append(k["device_feed"]) or original(self, *a, **k))
+    rows = resnet18_bench.main(["--loader", "--device", "cpu", "--precisions", "bf16", "--batch-sizes", "2",
+                                "--image-size", "32", "--images", "4", "--workers", "0", "--rounds", "1",
+                                "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "over a DataLoader" in text and "fit / hand loop" in text and "the slower bound" in text
+    assert "the device feed does nothing" in text  # on the CPU: no twin without the feed
+    data = json.loads(out.read_text())["loader"]
+    assert len(data) == len(rows) == 8 and len(fits) == 2 * 2  # per image dtype: a warm-up epoch and one round
+    systems = ("loader alone", "resident step", "hand loop", "fit")
+    assert {(r["images"], r["system"], r["pin_memory"]) for r in data} == {
+        (i, s, False) for i in ("float32", "uint8") for s in systems}
+    for r in data:
+        assert r["precision"] == "bf16" and r["batch_size"] == 2 and r["steps"] == 2 and len(r["rounds_ms"]) == 1
+        assert r["median_ms"] > 0 and r["img_per_s"] == pytest.approx(1000 * 2 / r["median_ms"])
+        waits = r["system"] in ("hand loop", "fit")
+        assert (r["data_fraction"] is not None) == waits and (not waits or 0 <= r["data_fraction"] <= 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--workers", "2"], "--workers only apply with --loader"),
+    (["--loader", "--pin-memory", "on"], "pinned memory is for copies to CUDA; on cpu use off"),
+    (["--loader", "--model", "transformer"], "--model transformer is not for it"),
+    (["--loader", "--images", "1"], "--images (1) must hold at least one batch of 8"),
+    (["--loader", "--workers", "-1"], "--workers must be >= 0"),
+    (["--loader", "--image-dtypes", "float16"], "--image-dtypes takes float32 and/or uint8"),
+])
+def test_the_loader_mode_refuses_bad_arguments_before_measuring(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        resnet18_bench.parse_args(["--device", "cpu", *flags])
+    assert message in capsys.readouterr().err
+
+
 # Bad arguments, refused at parsing (unchecked, each ran its timings or training first, then failed and lost
 # the results, or ran something else than asked) ------------------------------------------------------------
 
@@ -547,3 +586,14 @@ def test_benchmark_recipe_on_cuda(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert {r["precision"] for r in results} == {"fp32", "tf32", "bf16", "fp16"}
     assert all(r["peak_mb"] > 0 and r["median_ms"] > 0 and r["error"] is None for r in results)
+
+
+@pytest.mark.gpu
+def test_the_loader_mode_on_cuda_times_fit_with_and_without_the_feed_pinned_and_not(tmp_path):
+    out = tmp_path / "loader.json"
+    resnet18_bench.main(["--loader", "--precisions", "bf16", "--batch-sizes", "4", "--image-size", "32", "--images", "8",
+                         "--workers", "2", "--rounds", "1", "--json", str(out)])
+    data = json.loads(out.read_text())["loader"]
+    assert {(r["system"], r["pin_memory"]) for r in data} >= {("fit", True), ("fit, no feed", True),
+                                                              ("fit", False), ("fit, no feed", False)}
+    assert all(r["median_ms"] > 0 for r in data)

@@ -42,7 +42,7 @@ from precisionloop.tuning import default_candidates, tunable_precisions
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
                                    noisy_legend, paired_ratio, reset_memory)
 from precisionloop.policy import PrecisionPolicy
-from precisionloop.recipes import models, timing
+from precisionloop.recipes import loader_bench, models, timing
 from precisionloop.recipes.memory_report import format_memory_table, memory_legend
 
 ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -348,6 +348,7 @@ def _parser() -> argparse.ArgumentParser:
                         "per precision)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart here (needs matplotlib)")
+    loader_bench.add_arguments(p)
     t = p.add_argument_group("--model transformer", "sizes of the Transformer stack (defaults: the reference on CUDA, "
                              "a tiny stack on the CPU)")
     t.add_argument("--size", choices=tuple(models.SIZES), default=None,
@@ -392,6 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _image_args(p, args, cuda)
     if not cuda:
         args.notes.append(_cpu_note(args))
+    loader_bench.settle(p, args)
     return args
 
 
@@ -600,6 +602,8 @@ def memory_breakdowns(args, device: torch.device) -> dict[str, MemoryBreakdown |
 
 def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
+    if args.loader:
+        return loader_bench.main(args)
     device: torch.device = args.device
     say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)  # under torchrun, rank 0 reports
     env = environment(device)
