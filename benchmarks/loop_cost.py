@@ -8,8 +8,8 @@
 For each configuration the hand loop (autocast, backward, optimizer step, no skip check),
 ``Trainer.step`` and ``Trainer.fit`` (epochs of --fit-steps batches, progress bar on; per-step
 time = epoch time / steps) train the same model on the same device-resident batch, timed by
-``measure.interleaved`` with the systems alternating step by step (fit: epoch by epoch) or in
---blocks blocks. The cost is the per-round ratio to the hand loop, paired in time.
+``measure.interleaved``: eager steps alternating step by step or in --blocks blocks, compiled steps on CUDA
+back to back (pipelined), fit epoch by epoch. The cost is the per-round ratio to the hand loop, paired in time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 import precisionloop
-from precisionloop.measure import Run, format_ratio, format_time, interleaved, paired_ratio
+from precisionloop.measure import (Run, choose_method, describe_method, format_ratio, format_time, interleaved,
+                                   paired_ratio)
 from precisionloop.recipes import resnet18_bench as bench
 
 OPTIMIZERS = {
@@ -213,15 +214,20 @@ def main(argv: list[str] | None = None) -> dict:
         for fit, wanted in ((False, args.profile), (True, args.profile_fit)):
             if wanted and i == 0:
                 print("\n".join(profiles(config, args, before, fit=fit)), flush=True)
+        # Compiled steps on CUDA are timed back to back (a step begun on an idle GPU pays its launch in series);
+        # eager ones step by step, or in --blocks blocks.
+        pipelined = args.blocks is None and choose_method(args.device, config.compile)[0] == "pipelined"
+        blocks = 1 if pipelined else min(args.blocks or args.iters, args.iters)
         timings = interleaved(systems(config, args, before, fit=False), rounds=args.rounds, iters=args.iters,
-                              warmup=args.warmup, device=args.device, blocks=min(args.blocks or args.iters, args.iters))
+                              warmup=args.warmup, device=args.device, pipelined=pipelined, blocks=blocks)
+        method = describe_method("pipelined" if pipelined else "alternating", iters=args.iters, blocks=blocks)
+        print(f"\n{config.label}: steps timed {method}", flush=True)
         fits = {} if args.no_fit else interleaved(systems(config, args, before, fit=True), rounds=args.rounds,
                                                   iters=args.fit_epochs, warmup=2, device=args.device,
                                                   blocks=min(args.blocks or args.fit_epochs, args.fit_epochs))
         for name, m in fits.items():  # per-epoch times to per-step times
             m.rounds_ms = [t / args.fit_steps for t in m.rounds_ms]
             timings["hand (epochs)" if name == "hand" else name] = m
-        print(f"\n{config.label}", flush=True)
         entry = {"config": dataclasses.asdict(config), "systems": {}}
         for name, m in timings.items():
             base = timings["hand (epochs)"] if name.startswith("fit") else timings["hand"]
