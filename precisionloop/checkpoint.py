@@ -22,7 +22,6 @@ from torch import nn
 
 from . import distributed as _dist
 from . import fp32_modules
-from .checks import check_master_weights
 from .policy import PrecisionPolicy
 from .precisions import get_policy
 from .prepare import compile_mode
@@ -301,7 +300,7 @@ def load_state(trainer, state: dict, source: str) -> None:
         policy = policy_from_record(state, trainer.device)  # its settings too: fp8 layers, keep_fp32
         mode = compile_mode(state.get("compile_mode"), trainer.device)  # as the saved run trained
         policy.check_model(trainer.model, trainer.device)  # what can fail, before the model changes
-        check_master_weights(trainer.model, policy.name, policy.compute_dtype)
+        policy.check_weights(trainer.model, trainer.optimizer)
         check_scaler(state, policy.make_guard(trainer.device.type), source)
         trainer._configure(policy, mode)
         trainer._autotune_compile = None

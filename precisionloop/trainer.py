@@ -116,7 +116,7 @@ class Trainer:
         policy.check_model(model, self.device)
         if self.distributed == "fsdp":
             policy.check_sharding(model, self.device)
-        checks.check_master_weights(model, policy.name, policy.compute_dtype)
+        policy.check_weights(model, optimizer)
         checks.check_optimizer_params(model, optimizer)
         _dist.check_optimizer(optimizer, self.distributed)
         mode = compile_mode(compile, self.device)
@@ -150,7 +150,7 @@ class Trainer:
         guard = policy.make_guard(self.device.type)
         if prepare:
             policy.check_compile(mode, self.device.type)
-            checks.check_master_weights(model, policy.name, policy.compute_dtype)
+            policy.check_weights(model, self.optimizer)
             model, input_format = prepare_model(model, policy, mode, self.distributed, self.device, self.optimizer)
             guard = _dist.adapt_guard(guard, self.distributed, self.device.type)
         self.model, self._input_format, self.policy, self.compile_mode = model, input_format, policy, mode

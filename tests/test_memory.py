@@ -169,3 +169,17 @@ def test_on_cuda_the_parts_fit_in_the_peak_and_the_reserve():
     assert parts <= got.peak_mb <= got.reserved_mb
     assert got.activations_and_workspace_mb == pytest.approx(got.peak_mb - parts)
     assert got.activations_and_workspace_mb > 0  # the activations of 64 x 1024 hidden values, at least
+
+
+def test_pure_bf16_halves_the_parameters_and_gradients_and_keeps_bf16_adam_state():
+    optim = pytest.importorskip("torchao.optim")
+    model = nn.Linear(16, 8)
+    trainer = Trainer(model, optim._AdamW(model.parameters(), lr=1e-3, bf16_stochastic_round=True), "bf16-pure",
+                      device="cpu", distributed=None, grad_accum_steps=2)
+    for _ in range(3):
+        trainer.step(BATCH)
+    # 136 parameters in bf16 (2 bytes each): weights 272 bytes, gradients 272. torchao's AdamW keeps exp_avg and
+    # exp_avg_sq in the parameter's dtype (2 x 272) and a float32 step scalar per parameter (2 x 4).
+    bf16 = LINEAR_BYTES // 2  # 272
+    assert _bytes(trainer.memory_breakdown()) == {"parameters_mb": bf16, "buffers_mb": 0, "gradients_mb": bf16,
+                                                  "optimizer_state_mb": 2 * bf16 + 2 * 4}

@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from conftest import B, batch, batches, mk, net, params_of, same_models, same_params, same_state, steps_without_host_sync, tiny_mlp, unfrozen_late
+from conftest import (B, batch, batches, mk, net, opt_state, params_of, pure_bf16, same_models, same_params, same_state,
+                      steps_without_host_sync, tiny_mlp, unfrozen_late)
 
 from precisionloop import BF16Policy, FP16Policy, Trainer
 from precisionloop.guard import FiniteGuard, ScalerGuard, fuse_default_optimizer
@@ -785,3 +786,20 @@ def test_default_optimizer_fused_equals_torch_fused():
         ta.step(batch)
         tb.step(batch)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_pure_bf16_skips_a_non_finite_step_with_weights_and_optimizer_state_unchanged(value):
+    model, trainer = pure_bf16(scheduler=None)
+    poison = Poison(model[0].weight, value)
+    trainer.step(B)  # the optimizer state exists from here on
+    weights, state = copy.deepcopy(model.state_dict()), opt_state(trainer.optimizer)
+    poison.armed = True
+    result = trainer.step(batch(2))
+    assert result.skipped and not result.stepped
+    assert all(torch.equal(v, weights[k]) and v.dtype == torch.bfloat16 for k, v in model.state_dict().items())
+    assert same_state(opt_state(trainer.optimizer), state), "the optimizer state changed on a skipped step"
+    poison.armed = False
+    assert trainer.step(batch(3)).stepped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert trainer.stats.skipped == 1 and trainer.stats.steps == 3
