@@ -39,7 +39,7 @@ from precisionloop.tuning import default_candidates, tunable_precisions
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
                                    noisy_legend, paired_ratio, reset_memory)
 from precisionloop.policy import PrecisionPolicy
-from precisionloop.recipes import models
+from precisionloop.recipes import max_batch, models
 
 ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 BASELINE = "tf32"  # the "vs" row's reference where TF32 exists; strict fp32 elsewhere (parse_args sets args.baseline)
@@ -343,6 +343,7 @@ def _parser() -> argparse.ArgumentParser:
     for name in TRANSFORMER_SIZES:
         t.add_argument("--" + name.replace("_", "-"), type=int, default=None, dest=name,
                        help=f"default {models.REFERENCE[name]} on CUDA, {models.TINY[name]} on the CPU")
+    max_batch.add_arguments(p)
     return p
 
 
@@ -387,6 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _image_args(p, args, cuda)
     if not cuda:
         args.notes.append(_cpu_note(args))
+    max_batch.check_arguments(p, args)
     return args
 
 
@@ -653,6 +655,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
         say("\n" + format_wrapper_cost(results))
     memory = memory_breakdowns(args, device)
     say(format_memory_table(memory, max(args.batch_sizes)))
+    if args.max_batch:
+        say(max_batch.report(args, device))
     for r in results:
         if r.error:
             say(f"error: {r.system} {r.precision} batch {r.batch_size}: {r.error.splitlines()[0]}")
