@@ -582,3 +582,22 @@ def test_max_batch_table_names_each_precision_its_batch_and_peak():
     assert "96 (< 104)" in text and "192" in text and ">= 256 (the cap)" in text and "512" in text
     assert "search time in all" in text
     assert "max_batch" in vars(args) and args.max_batch is False
+
+
+@pytest.mark.gpu
+def test_max_batch_recovery_on_cuda_returns_the_allocator_to_its_baseline():
+    device = torch.device("cuda")
+    allocator = max_batch.cuda_allocator(device)
+
+    def run(batch):
+        held = [torch.empty(batch * 2**20, dtype=torch.uint8, device=device) for _ in range(4)]  # 4 x batch MB
+        if batch > 64:
+            torch.empty(2**50, dtype=torch.uint8, device=device)  # a petabyte: out of memory, with `held` in the frame
+        return torch.cuda.max_memory_allocated(device) / 2**20
+
+    fits = max_batch.recovering(run, allocator)
+    baseline = torch.cuda.memory_allocated(device)
+    assert fits(128) is None and torch.cuda.memory_allocated(device) == baseline
+    assert fits(64) >= 4 * 64 and torch.cuda.memory_allocated(device) == baseline
+    got = max_batch.search(fits, start=16, cap=1024, resolution=8)
+    assert got.largest == 64 and got.smallest_failed == 72

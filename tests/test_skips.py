@@ -803,3 +803,21 @@ def test_pure_bf16_skips_a_non_finite_step_with_weights_and_optimizer_state_unch
     assert trainer.step(batch(3)).stepped
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.stats.skipped == 1 and trainer.stats.steps == 3
+
+
+@pytest.mark.gpu
+def test_cuda_pure_bf16_skips_a_non_finite_step_with_weights_and_optimizer_state_unchanged():
+    model = net()
+    poison = Poison(model[0].weight)
+    optim = pytest.importorskip("torchao.optim")
+    trainer = Trainer(model, optim._AdamW(model.parameters(), lr=1e-2, bf16_stochastic_round=True), "bf16-pure",
+                      device="cuda")
+    trainer.step(B)
+    weights, state = copy.deepcopy(model.state_dict()), opt_state(trainer.optimizer)
+    poison.armed = True
+    assert trainer.step(batch(2)).skipped
+    assert all(torch.equal(v, weights[k]) and v.dtype == torch.bfloat16 and v.is_cuda for k, v in model.state_dict().items())
+    assert same_state(opt_state(trainer.optimizer), state)
+    poison.armed = False
+    assert trainer.step(batch(3)).stepped and trainer.stats.skipped == 1
+    assert all(torch.isfinite(p).all() and not torch.equal(p, weights[n]) for n, p in model.named_parameters())
