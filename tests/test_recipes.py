@@ -577,9 +577,11 @@ def test_max_batch_is_refused_off_cuda_with_a_clear_message(capsys):
 
 def test_max_batch_table_names_each_precision_its_batch_and_peak():
     args = resnet18_bench.parse_args(["--device", "cpu"])
-    results = {"fp32": max_batch.search(_fits_below(100), 64, 4096, 8), "bf16": max_batch.search(_fits_below(10**5), 64, 256, 8)}
+    results = {"fp32": max_batch.search(_fits_below(100), 64, 4096, 8), "bf16": max_batch.search(_fits_below(10**5), 64, 256, 8),
+               "fp16": "error: 3.0 MB is still allocated after the try at batch 8"}
     text = max_batch.format_table(results, args)
     assert "96 (< 104)" in text and "192" in text and ">= 256 (the cap)" in text and "512" in text
+    assert "fp16 | error: 3.0 MB is still allocated" in text
     assert "search time in all" in text
     assert "max_batch" in vars(args) and args.max_batch is False
 

@@ -200,12 +200,21 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--max-batch-seconds must be > 0, got {args.max_batch_seconds}")
 
 
-def run_search(args: argparse.Namespace, device: torch.device) -> dict[str, SearchResult]:
-    """:func:`search` for each of ``args.precisions`` on ``device``, each try recovering from running out of memory."""
+def run_search(args: argparse.Namespace, device: torch.device) -> dict[str, SearchResult | str]:
+    """:func:`search` for each of ``args.precisions`` on ``device``, each try recovering from running out of memory.
+
+    A precision whose search failed (memory left behind, a policy the device cannot run) gets the error's
+    first line instead, and the next precision starts from a fresh baseline.
+    """
     allocator = cuda_allocator(device)
-    return {precision: search(recovering(cuda_try(args, device, precision), allocator), args.max_batch_start,
-                              args.max_batch_cap, args.max_batch_resolution, args.max_batch_seconds)
-            for precision in args.precisions}
+    got: dict[str, SearchResult | str] = {}
+    for precision in args.precisions:
+        try:
+            got[precision] = search(recovering(cuda_try(args, device, precision), allocator), args.max_batch_start,
+                                    args.max_batch_cap, args.max_batch_resolution, args.max_batch_seconds)
+        except (RuntimeError, ValueError) as e:
+            got[precision] = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    return got
 
 
 def describe(result: SearchResult) -> str:
@@ -219,17 +228,20 @@ def describe(result: SearchResult) -> str:
     return f"{result.largest} (< {result.smallest_failed})"
 
 
-def format_table(results: dict[str, SearchResult], args: argparse.Namespace) -> str:
-    """A row per precision: the largest batch, its peak MB, the tries and the seconds they took."""
+def format_table(results: dict[str, SearchResult | str], args: argparse.Namespace) -> str:
+    """A row per precision: the largest batch, its peak MB, the tries and the seconds they took (or the error)."""
     lines = [f"\nlargest batch that fits, per precision: fresh Trainer, two training steps each try, doubling from "
              f"{args.max_batch_start} to at most {args.max_batch_cap}, then bisecting to {args.max_batch_resolution}:",
              f"{'precision':>10} | {'largest batch':>24} | {'peak MB':>9} | {'tries':>5} | {'seconds':>7}"]
     for precision, r in results.items():
+        if isinstance(r, str):
+            lines.append(f"{precision:>10} | {r}")
+            continue
         peak = "" if r.peak_mb is None else f"{r.peak_mb:.0f}"
-        lines.append(f"{precision:>10} | {describe(r):>24} | {peak:>9} | {len(r.tries):>5} | "
-                     f"{r.seconds:>7.1f}")
-    lines.append(f"search time in all: {sum(r.seconds for r in results.values()):.0f} s (each try builds a model and "
-                 "runs two steps; an out-of-memory try is dropped and its memory returned before the next)")
+        lines.append(f"{precision:>10} | {describe(r):>24} | {peak:>9} | {len(r.tries):>5} | {r.seconds:>7.1f}")
+    total = sum(r.seconds for r in results.values() if not isinstance(r, str))
+    lines.append(f"search time in all: {total:.0f} s (each try builds a model and runs two steps; an out-of-memory "
+                 "try is dropped and its memory returned before the next)")
     return "\n".join(lines)
 
 
