@@ -533,7 +533,9 @@ def _unwrap_tensor_subclasses(value: Any) -> Any:
         inner = getattr(value, name)
         if isinstance(inner, torch.Tensor) and inner.shape == value.shape and inner.dtype == value.dtype:
             return _unwrap_tensor_subclasses(inner)
-    raise ValueError(f"cannot save a {type(value).__name__} tensor as a plain tensor: no wrapped tensor of its shape")
+    raise ValueError(f"cannot save a {type(value).__name__} tensor as a plain tensor: no wrapped tensor of its shape. "
+                     "Quantized optimizer states (torchao's 8-bit, 4-bit and fp8 ones) cannot be checkpointed: "
+                     "to save and resume, train with an optimizer whose state is not quantized")
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict,

@@ -704,3 +704,14 @@ def test_pure_bf16_saves_bf16_weights_that_resume_exactly_and_load_into_an_fp32_
     fp32 = net()
     fp32.load_state_dict(saved["model"])  # torch casts each bf16 tensor to the fp32 parameter's dtype, exactly
     assert all(p.dtype == torch.float32 and torch.equal(p, saved["model"][n].float()) for n, p in fp32.named_parameters())
+
+
+def test_8bit_optimizer_states_are_refused_at_save_and_no_file_is_written(tmp_path):
+    optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    trainer = Trainer(model, optim.AdamW8bit(model.parameters(), lr=1e-3), "bf16", device="cpu")
+    trainer.step((torch.randn(4, 64), torch.tensor([0, 1, 2, 0])))
+    with pytest.raises(ValueError, match="OptimState8bit.*Quantized optimizer states .*cannot be checkpointed"):
+        trainer.save(tmp_path / "q.pt")
+    assert list(tmp_path.iterdir()) == []

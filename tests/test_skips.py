@@ -821,3 +821,32 @@ def test_cuda_pure_bf16_skips_a_non_finite_step_with_weights_and_optimizer_state
     poison.armed = False
     assert trainer.step(batch(3)).stepped and trainer.stats.skipped == 1
     assert all(torch.isfinite(p).all() and not torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
+def _plain_state(optimizer):
+    """Every state tensor as plain copies: an 8-bit state (torchao's OptimState8bit) as its codes and scales."""
+    def plain(value):
+        if hasattr(value, "__tensor_flatten__") and type(value) is not torch.Tensor:
+            return tuple(getattr(value, name).clone() for name in value.__tensor_flatten__()[0])
+        return value.clone() if isinstance(value, torch.Tensor) else value
+    return [{k: plain(v) for k, v in s.items()} for s in optimizer.state.values()]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
+def test_8bit_optimizer_states_keep_the_skip_guarantee(precision):
+    optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))  # 4096 weights: torchao quantizes them
+    poison = Poison(model[2].weight, float("nan"))
+    opt = optim.AdamW8bit(model.parameters(), lr=1e-2, bf16_stochastic_round=precision == "bf16-pure")
+    trainer = Trainer(model, opt, precision, device="cpu")
+    data = [(torch.randn(4, 64, generator=torch.Generator().manual_seed(i)), torch.tensor([0, 1, 2, 0])) for i in range(3)]
+    trainer.step(data[0])
+    assert type(opt.state[model[0].weight]["exp_avg"]).__name__ == "OptimState8bit"
+    weights, state = copy.deepcopy(model.state_dict()), _plain_state(opt)
+    poison.armed = True
+    assert trainer.step(data[1]).skipped
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert same_state(_plain_state(opt), state), "the 8-bit state changed on a skipped step"
+    poison.armed = False
+    assert trainer.step(data[2]).stepped and not same_state(_plain_state(opt), state)
