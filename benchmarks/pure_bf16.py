@@ -115,23 +115,28 @@ def main(argv: list[str] | None = None) -> dict:
     if args.which == "transformer":
         args.sizes = dict(models.TINY if args.tiny or device.type != "cuda" else models.REFERENCE)
         args.batch, args.lr = args.batch or 4, args.lr or 3e-4
-        runs = [transformer_run(p, args, device) for p in ("bf16", "bf16-pure")]
+        runs = []
+        for precision in ("bf16", "bf16-pure"):
+            r = transformer_run(precision, args, device)
+            runs.append(r)
+            print(f"{r['precision']:>9}: final loss (mean of the last {args.tail}) {r['final_loss']:.4f} from "
+                  f"{r['first_loss']:.4f}, peak {r['peak_mb'] or float('nan'):.0f} MB, {r['skipped']} skipped, "
+                  f"{r['seconds']:.1f} s; parts MB: "
+                  f"{json.dumps({k: round(v, 1) for k, v in r['breakdown_mb'].items() if v is not None})}", flush=True)
         mixed, pure = runs
         summary = {"sizes": args.sizes, "batch": args.batch, "steps": args.steps,
                    "loss_change_pct": 100 * (pure["final_loss"] / mixed["final_loss"] - 1)}
         if mixed["peak_mb"]:
             summary["peak_saving_pct"] = 100 * (1 - pure["peak_mb"] / mixed["peak_mb"])
-        for r in runs:
-            print(f"{r['precision']:>9}: final loss (mean of the last {args.tail}) {r['final_loss']:.4f} from "
-                  f"{r['first_loss']:.4f}, peak {r['peak_mb'] or float('nan'):.0f} MB, {r['skipped']} skipped, "
-                  f"{r['seconds']:.1f} s; parts MB: {json.dumps({k: round(v, 1) for k, v in r['breakdown_mb'].items() if v is not None})}")
     else:
         args.batch, args.lr = args.batch or 64, args.lr or 1e-3
-        runs = [digits_run(p, args, device) for p in ("fp32", "bf16-pure")]
-        summary = {"accuracy_change_points": runs[1]["accuracy"] - runs[0]["accuracy"], "epochs": args.epochs}
-        for r in runs:
+        runs = []
+        for precision in ("fp32", "bf16-pure"):
+            r = digits_run(precision, args, device)
+            runs.append(r)
             print(f"{r['precision']:>9}: test accuracy {r['accuracy']:.2f}% of {r['test_size']}, "
-                  f"last epoch's loss {r['train_loss']:.4f}, {r['skipped']} skipped")
+                  f"last epoch's loss {r['train_loss']:.4f}, {r['skipped']} skipped", flush=True)
+        summary = {"accuracy_change_points": runs[1]["accuracy"] - runs[0]["accuracy"], "epochs": args.epochs}
     print("summary:", json.dumps({k: round(v, 2) if isinstance(v, float) and math.isfinite(v) else v
                                   for k, v in summary.items()}))
     out = {"which": args.which, "device": str(device), "torch": torch.__version__, "summary": summary, "runs": runs}

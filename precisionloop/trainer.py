@@ -50,7 +50,7 @@ def _forwarded(owner: str, name: str, doc: str, settable: bool = True) -> proper
 
 
 class Trainer:
-    """Trains a model with fp32 master weights under a precision policy.
+    """Trains a model under a precision policy: fp32 master weights, or bf16 ones under ``"bf16-pure"``.
 
     Args:
         model: the model; it is moved to ``device`` and passed through ``policy.prepare_model``.
@@ -78,7 +78,8 @@ class Trainer:
 
     Raises:
         ValueError: bad arguments, an optimizer that does not hold exactly the model's trainable
-            parameters, parameters that are not fp32, or a device that cannot run the precision.
+            parameters, parameters that are not fp32 (``"bf16-pure"``: fp32 or bf16, and an optimizer that rounds
+            stochastically), or a device that cannot run the precision.
 
     Example:
         >>> import torch
