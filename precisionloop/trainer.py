@@ -78,8 +78,7 @@ class Trainer:
 
     Raises:
         ValueError: bad arguments, an optimizer that does not hold exactly the model's trainable
-            parameters, parameters that are not fp32 (``"bf16-pure"``: fp32 or bf16, and an optimizer that rounds
-            stochastically), or a device that cannot run the precision.
+            parameters, weights or an optimizer the policy refuses (``check_weights``), or a device that cannot run it.
 
     Example:
         >>> import torch

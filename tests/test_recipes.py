@@ -595,6 +595,7 @@ def test_max_batch_recovery_on_cuda_returns_the_allocator_to_its_baseline():
         held = [torch.empty(batch * 2**20, dtype=torch.uint8, device=device) for _ in range(4)]  # 4 x batch MB
         if batch > 64:
             torch.empty(2**50, dtype=torch.uint8, device=device)  # a petabyte: out of memory, with `held` in the frame
+        assert sum(t.numel() for t in held) == 4 * batch * 2**20
         return torch.cuda.max_memory_allocated(device) / 2**20
 
     fits = max_batch.recovering(run, allocator)
