@@ -269,7 +269,7 @@ def cast_outside_kept_(model: nn.Module, keep_fp32: tuple, dtype: torch.dtype) -
                     p.data = p.data.to(dtype)
             for name, b in module.named_buffers(recurse=False):
                 if b.is_floating_point() and b.dtype != dtype:
-                    module._buffers[name] = b.to(dtype)
+                    setattr(module, name, b.to(dtype))  # a registered buffer stays one, persistent or not
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
