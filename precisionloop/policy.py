@@ -229,6 +229,15 @@ class BF16PurePolicy(BF16Policy):
         if bad:
             raise ValueError(f"parameters {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} are neither fp32 nor "
                              f"bf16; precision {self.name!r} casts fp32 weights to bf16 itself: call model.float() first")
+        if isinstance(model, nn.parallel.DistributedDataParallel):  # used as it is: prepare_model does not cast it
+            kept = {id(p) for _, m in fp32_modules.select_modules(_inner(model.module), self.keep_fp32)
+                    for p in m.parameters()}
+            fp32 = [n for n, p in model.module.named_parameters() if p.dtype == torch.float32 and id(p) not in kept]
+            if fp32:
+                raise ValueError(f"the model you wrapped in DDP has fp32 parameters ({', '.join(fp32[:5])}"
+                                 f"{' ...' if len(fp32) > 5 else ''}), and precision {self.name!r} casts only a model "
+                                 "it wraps itself: pass the model unwrapped (the Trainer wraps it), or cast it to "
+                                 "bf16 before wrapping it")
         if not rounds_stochastically(optimizer):
             raise ValueError(
                 f"precision {self.name!r} trains bf16 weights with no fp32 master copy, so the optimizer must round "
@@ -257,7 +266,7 @@ def cast_outside_kept_(model: nn.Module, keep_fp32: tuple, dtype: torch.dtype) -
     """Cast the floating parameters and buffers of the modules ``keep_fp32`` does not keep to ``dtype``, in place.
 
     A parameter keeps its identity (its ``data`` is replaced, as ``Module.to`` does), so an optimizer built on
-    it still holds it; float64 is cast too, as ``Module.to`` would.
+    it still holds it; float64 buffers are cast too, as ``Module.to`` would cast them.
     """
     kept = {id(m) for _, outer in fp32_modules.select_modules(model, keep_fp32) for m in outer.modules()}
     with torch.no_grad():

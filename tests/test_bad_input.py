@@ -473,3 +473,19 @@ def test_pure_bf16_refuses_fp16_weights():
     opt.bf16_stochastic_round = True  # the declaration alone: the weights are refused first
     with pytest.raises(ValueError, match=r"0.weight \(torch.float16\).*neither fp32 nor bf16.*model.float\(\)"):
         Trainer(model, opt, "bf16-pure", device="cpu")
+
+
+def test_pure_bf16_refuses_a_ddp_model_of_fp32_weights_it_would_not_cast(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = tiny_mlp()
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters())
+        opt.bf16_stochastic_round = True
+        with pytest.raises(ValueError, match=r"wrapped in DDP has fp32 parameters \(0.weight, 0.bias.*unwrapped"):
+            get_policy("bf16-pure").check_weights(wrapped, opt)
+        model.bfloat16()
+        get_policy("bf16-pure").check_weights(wrapped, opt)  # cast before wrapping: accepted
+    finally:
+        dist.destroy_process_group()
