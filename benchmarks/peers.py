@@ -9,9 +9,13 @@ tf32, or with our fp32 on a device without TF32) are timed together by
 ``precisionloop.measure.interleaved``: --rounds rounds, a fresh model and optimizer per system and
 round, the order rotated each round; the median over rounds is reported with its min-max spread,
 and ratios pair the rounds in time. Every peer runs with TF32 and cudnn.benchmark on, so the peers
-get the flags precisionloop's tf32/bf16/fp16 policies use;
-channels_last is each system's default (the peers' default is NCHW). A peer that is not installed
-is skipped with a note.
+get the flags precisionloop's tf32/bf16/fp16 policies use.
+
+Each peer runs twice in the same rounds (``--peer-layouts``): at its default layout (NCHW) as
+``fabric``, and as an expert user writes it, model and inputs in channels_last, as
+``fabric+channels_last`` (likewise for Accelerate). precisionloop and the hand loop run in their
+policy's layout (channels_last for conv models on CUDA). The ratios name the peer system they are
+against. A peer that is not installed is skipped with a note.
 """
 
 from __future__ import annotations
@@ -26,11 +30,16 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import FP32Policy
-from precisionloop.measure import Run, format_memory, format_ratio, format_time, interleaved, paired_ratio
+from precisionloop.measure import Run, describe_method, format_memory, format_ratio, format_time, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
+from precisionloop.recipes import timing
 
 FABRIC = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 ACCELERATE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+CHANNELS_LAST = "+channels_last"
+LAYOUTS = ("default", "channels_last")
 
 
 def fabric_step(model: nn.Module, batch, precision: str, device: torch.device, fused: bool):
@@ -70,16 +79,27 @@ def _peer_loop(model, optimizer, batch, backward):
 PEERS = {"fabric": fabric_step, "accelerate": accelerate_step}
 
 
-def peer_factory(peer: str, precision: str, batch_size: int, args):
-    """A factory for ``interleaved``: a fresh model and optimizer set up by ``peer``, timed under TF32 flags."""
+def peer_factory(peer: str, precision: str, batch_size: int, args, channels_last: bool = False):
+    """A factory for ``interleaved``: a fresh model and optimizer set up by ``peer``, timed under TF32 flags.
+
+    ``channels_last``: the model and the inputs are put in channels_last before the peer sets them up.
+    """
     device = args.device
 
     def build() -> Run:
-        model = bench.build_model(args.model).to(device)
-        batch = bench.random_batch(batch_size, args.image_size, device)
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        model = bench.build_model(args.model).to(device, memory_format=layout)
+        inputs, targets = bench.random_batch(batch_size, args.image_size, device)
+        batch = (inputs.contiguous(memory_format=layout), targets)
         return Run(PEERS[peer](model, batch, precision, device, args.fused), context=FP32Policy(tf32=True).backend_flags)
 
     return build
+
+
+def peer_systems(peers: list[str], layouts: list[str]) -> list[tuple[str, str, bool]]:
+    """(system name, peer, channels_last) for each peer in each layout: "fabric", "fabric+channels_last", ..."""
+    return [(peer + (CHANNELS_LAST if layout == "channels_last" else ""), peer, layout == "channels_last")
+            for peer in peers for layout in layouts]
 
 
 def _group(precision: str, args) -> str:
@@ -88,7 +108,8 @@ def _group(precision: str, args) -> str:
     return args.baseline if precision == "fp32" else precision
 
 
-def measure_group(bs: int, key: str, args, peers: list[str], peer_precisions: list[str], on_run) -> list[bench.Result]:
+def measure_group(bs: int, key: str, args, peers: list[tuple[str, str, bool]], peer_precisions: list[str],
+                  on_run) -> list[bench.Result]:
     """Time, interleaved, every system that is compared at batch ``bs`` and our precision ``key`` (none: nothing)."""
     factories, precision_of, skipped = {}, {}, {}
     if key in args.precisions:
@@ -99,15 +120,20 @@ def measure_group(bs: int, key: str, args, peers: list[str], peer_precisions: li
             precision_of[system] = key
     for p in peer_precisions:
         if _group(p, args) == key:
-            for peer in peers:
-                factories[peer] = peer_factory(peer, p, bs, args)
-                precision_of[peer] = p
+            for name, peer, channels_last in peers:
+                factories[name] = peer_factory(peer, p, bs, args, channels_last)
+                precision_of[name] = p
     if not factories:  # a peer precision of ours not asked for, and the peers not installed (fp16 on the CPU)
         return []
     measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=args.device,
-                           on_run=on_run)
+                           on_run=on_run, **timing.interleaved_kwargs(method_of(args), args))
     return [bench.Result.from_measurement(m, precision_of[name], bs, sum(skipped.get(name, [])), **bench.settings_of(args))
             for name, m in measured.items()]
+
+
+def method_of(args) -> str:
+    """--method or --blocks where given; else each system alone in its rounds, as the published peer figures were timed."""
+    return "alone" if args.method == "auto" else args.method
 
 
 def available(peer: str) -> bool:
@@ -125,13 +151,17 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
     parser.add_argument("--peers", default="fabric,accelerate")
     parser.add_argument("--peer-precisions", default="fp32,bf16,fp16",
                         help="precisions to run the peers at (fp32 means their TF32 fp32)")
+    parser.add_argument("--peer-layouts", default=",".join(LAYOUTS),
+                        help="layouts to run each peer in, comma-separated: default (theirs, NCHW) and channels_last "
+                             "(model and inputs); default both, in the same rounds")
     known, rest = parser.parse_known_args(argv)
     args = bench.parse_args(rest)
     env = bench.environment(args.device)
     print(f"peers benchmark, {env['date']} | {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}")
     print(f"{args.model}, input {args.image_size}x{args.image_size}, {'fused ' if args.fused else ''}SGD momentum 0.9, "
           f"{args.rounds} interleaved rounds (a fresh model and optimizer each) of {args.warmup} warm-up + {args.iters} "
-          "timed steps; median over rounds of per-round medians [min-max]")
+          "timed steps; median over rounds of the rounds' figures [min-max]\n"
+          f"timing: {describe_method(method_of(args), iters=args.iters, blocks=args.blocks)}")
     peers = [p for p in known.peers.split(",") if p]
     for p in peers:
         if p not in PEERS:
@@ -140,6 +170,10 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
     for p in missing:
         print(f"note: {p} is not installed; skipped")
     peers = [p for p in peers if p not in missing]
+    layouts = [s.strip() for s in known.peer_layouts.split(",") if s.strip()]
+    if not layouts or any(s not in LAYOUTS for s in layouts):
+        parser.error(f"--peer-layouts {known.peer_layouts!r}: give one or both of {', '.join(LAYOUTS)}")
+    peers = peer_systems(peers, layouts)
     peer_precisions = [p.strip() for p in known.peer_precisions.split(",") if p.strip()]
     for p in peer_precisions:
         if p not in FABRIC:
@@ -152,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
             for key in keys:
                 results += measure_group(bs, key, args, peers, peer_precisions, on_run=lambda r, name: bar.update())
 
-    systems = ["precisionloop", "hand", *peers]
+    systems = ["precisionloop", "hand", *(name for name, _, _ in peers)]
     print("\nmedian ms [min-max over rounds], peak memory (fp32 column: strict fp32 for precisionloop and hand, "
           "TF32 fp32 for the peers):")
     for system in systems:
@@ -160,11 +194,14 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
         columns = list(dict.fromkeys(args.precisions + peer_precisions))
         print(bench.format_table(results, system, columns, args.batch_sizes, args.baseline))
     ours = {(r.batch_size, r.precision): r for r in results if r.system == "precisionloop" and not r.error}
-    print("\nprecisionloop step time / peer step time (lower is better), per-round ratios paired in time, median [min-max]:")
+    print("\nprecisionloop step time / peer step time (lower is better), per-round ratios paired in time, median [min-max];"
+          f" each against the peer system named: a bare name is the peer at its default layout (NCHW), {CHANNELS_LAST} "
+          "the peer with its model and inputs in channels_last; precisionloop in its policy's layout "
+          f"(channels_last: {'policy default' if args.channels_last is None else args.channels_last}):")
     for r in results:
         mine = ours.get((r.batch_size, _group(r.precision, args)))
-        if r.system in peers and not r.error and mine is not None and len(mine.rounds_ms) == len(r.rounds_ms):
-            print(f"  batch {r.batch_size:>4} {r.precision}: vs {r.system:<10} {format_ratio(paired_ratio(mine, r))} "
+        if r.system in systems[2:] and not r.error and mine is not None and len(mine.rounds_ms) == len(r.rounds_ms):
+            print(f"  batch {r.batch_size:>4} {r.precision}: vs {r.system:<25} {format_ratio(paired_ratio(mine, r))} "
                   f"({format_time(mine)} vs {format_time(r)}; {format_memory(mine)} vs {format_memory(r)})")
     print("\n" + bench.format_wrapper_cost(results))
     for r in results:

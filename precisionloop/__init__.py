@@ -1,6 +1,7 @@
 """precisionloop: a PyTorch training step around a precision policy (fp32/TF32, bf16, fp16 with loss scaling)."""
 
 from .tuning import AutotuneResult, Candidate, autotune
+from .batches import normalize_uint8
 from .fp8 import FP8Policy
 from .memory import MemoryBreakdown, memory_breakdown
 from .policy import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy
@@ -23,5 +24,6 @@ __all__ = [
     "AutotuneResult",
     "memory_breakdown",
     "MemoryBreakdown",
+    "normalize_uint8",
 ]
 __version__ = "0.2.0"

@@ -28,6 +28,11 @@ def forget_unscale(scaler: torch.amp.GradScaler) -> None:
     scaler._per_optimizer_states.clear()
 
 
+def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> dict:
+    """``{(device, dtype): ([tensors], [])}``: torch's own grouping for foreach kernels, done in C++."""
+    return torch._C._group_tensors_by_device_and_dtype([tensors], False)
+
+
 def non_finite_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """GradScaler's fused check: sets ``found_inf`` to 1 if any gradient is inf/NaN, and multiplies by ``inv_scale``."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

@@ -1,12 +1,13 @@
-"""Batches: moving them to the device, their size, and the default ``(inputs, targets)`` shape."""
+"""Batches: moving them to the device (and transforming their inputs there), their size, and the default
+``(inputs, targets)`` shape."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["to_device", "batch_size", "pair", "check_pair"]
+__all__ = ["to_device", "on_device", "normalize_uint8", "batch_size", "pair", "check_pair"]
 
 
 def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format) -> Any:
@@ -26,6 +27,68 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
         moved = [to_device(v, device, memory_format) for v in batch]
         return type(batch)(*moved) if isinstance(batch, tuple) and hasattr(batch, "_fields") else type(batch)(moved)
     return batch
+
+
+def on_device(batch: Any, device: torch.device, memory_format: torch.memory_format,
+              transform: Callable[[Any], Any] | None, pairs: bool) -> Any:
+    """``to_device``, then ``transform`` there: on the inputs of an ``(inputs, targets)`` batch (``pairs``), else on
+    the whole batch; what it returns is put in ``memory_format`` too."""
+    batch = to_device(batch, device, memory_format)
+    if transform is None:
+        return batch
+    if pairs:
+        inputs, targets = pair(batch)
+        batch = (transform(inputs), targets)
+    else:
+        batch = transform(batch)
+    return to_device(batch, device, memory_format)
+
+
+class _NormalizeUint8:
+    """uint8 images to float32, normalised per channel; see :func:`normalize_uint8`."""
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]):
+        self.mean, self.std = (torch.tensor(v, dtype=torch.float32).view(-1, 1, 1) for v in (mean, std))
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # mean and std per device, moved once
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8:
+            what = images.dtype if isinstance(images, torch.Tensor) else type(images).__name__
+            raise TypeError(f"normalize_uint8 takes uint8 images (0-255), got {what}; for float images that are "
+                            "already scaled, pass no input_transform (or one of your own)")
+        if images.device not in self._on:
+            self._on[images.device] = (self.mean.to(images.device), self.std.to(images.device))
+        mean, std = self._on[images.device]
+        return (images.float() / 255 - mean) / std
+
+    def __repr__(self) -> str:
+        return f"normalize_uint8(mean={self.mean.flatten().tolist()}, std={self.std.flatten().tolist()})"
+
+
+def normalize_uint8(mean: Sequence[float], std: Sequence[float]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An ``input_transform`` turning uint8 images ``(N, C, H, W)`` into float32 ``(x / 255 - mean) / std`` per channel.
+
+    The same values as torchvision's ``ToTensor()`` then ``Normalize(mean, std)``, computed where the images
+    are: given as ``Trainer(input_transform=...)``, on the device, after the batch has crossed as uint8 (a
+    quarter of float32's bytes). The Trainer puts the result in the model's layout (channels_last on CUDA).
+
+    Args:
+        mean: the channels' means, on the 0-1 scale (ImageNet's: ``(0.485, 0.456, 0.406)``).
+        std: the channels' standard deviations, on the same scale (ImageNet's: ``(0.229, 0.224, 0.225)``).
+
+    Raises:
+        ValueError: ``mean`` and ``std`` are not sequences of equal length with finite values, or a std is not > 0.
+    """
+    try:
+        values = [[float(v) for v in mean], [float(v) for v in std]]
+    except (TypeError, ValueError):
+        raise ValueError(f"normalize_uint8 takes sequences of numbers, got mean={mean!r}, std={std!r}") from None
+    if not values[0] or len(values[0]) != len(values[1]):
+        raise ValueError(f"normalize_uint8 needs one mean and one std per channel, got {len(values[0])} means "
+                         f"and {len(values[1])} stds")
+    if not all(abs(v) < float("inf") for v in values[0] + values[1]) or min(values[1]) <= 0:
+        raise ValueError(f"normalize_uint8 needs finite means and stds > 0, got mean={mean!r}, std={std!r}")
+    return _NormalizeUint8(*values)
 
 
 def batch_size(batch: Any) -> int | None:

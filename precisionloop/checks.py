@@ -7,13 +7,21 @@ import numbers
 import os
 import types
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-__all__ = ["check_int", "check_flag", "check_real", "check_loader", "check_callbacks", "check_loggers", "check_directory",
+__all__ = ["refuse_removed", "check_int", "check_flag", "check_real", "check_loader", "check_callbacks", "check_loggers", "check_directory",
            "check_trainer_arguments", "check_scheduler_interval", "check_master_weights", "check_optimizer_params", "is_plateau"]
+
+
+def refuse_removed(owner: str, given: Mapping[str, Any], removed: Mapping[str, str]) -> None:
+    """A TypeError for an unknown keyword argument, a ValueError saying what replaces a removed one."""
+    for name in given:
+        if name not in removed:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+        raise ValueError(f"{owner}({name}=...): {removed[name]}")
 
 
 def check_int(name: str, value: object, low: int) -> None:
@@ -100,7 +108,7 @@ def is_plateau(scheduler: Any) -> bool:
 
 
 def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, interval: Any, *,
-                            grad_accum_steps: Any,
+                            grad_accum_steps: Any, input_transform: Any,
                             max_grad_norm: Any, max_consecutive_skips: Any, **flags: Any) -> None:
     """The Trainer's arguments, each on its own, before anything looks at them together."""
     if not isinstance(model, nn.Module):
@@ -117,6 +125,11 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> loss tensor, such as "
                          f"torch.nn.functional.cross_entropy, or None for that default; got {loss_fn!r}")
+    if input_transform is not None and (isinstance(input_transform, type) or not callable(input_transform)):
+        what = f"the class {input_transform.__name__} (pass an instance)" if isinstance(input_transform, type) else (
+            repr(input_transform)[:80])
+        raise ValueError(f"input_transform must be a callable run on the device on each batch's inputs, such as "
+                         f"precisionloop.normalize_uint8(mean, std), or None; got {what}")
     if scheduler is not None and (isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None))):
         raise ValueError(f"scheduler must be an LR scheduler instance built on the optimizer, got {scheduler!r}")
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:

@@ -211,15 +211,13 @@ class FiniteGuard:
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
         """The inf/NaN verdict of ``grads`` as a device tensor: torch's fused check per (device, dtype) group, with an
         inverse scale of one; shards (FSDP2's DTensors) and sparse gradients are checked by their local values.
-        The verdicts are summed on the first group's device, then agreed across ranks."""
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for g in grads:
-            g = _compat.dense_values(g)
-            groups.setdefault((g.device, g.dtype), []).append(g)
-        found = self._zero_on(next(iter(groups))[0] if groups else torch.device("cpu"))
-        for (where, _), tensors in groups.items():
+        The verdicts are summed on the first gradient's device, then agreed across ranks."""
+        if any(type(g) is not torch.Tensor or g.is_sparse for g in grads):  # a parameter's grad is a plain dense tensor
+            grads = [_compat.dense_values(g) for g in grads]
+        found = self._zero_on(grads[0].device if grads else torch.device("cpu"))
+        for (where, _), (tensors, _) in _compat.group_by_device_and_dtype(grads).items():
             here = found if where == found.device else self._zero_on(where)
-            _compat.non_finite_check_(tensors, here, self._one_on(where))
+            _compat.non_finite_check_(tensors[0], here, self._one_on(where))
             if here is not found:
                 found += here.to(found.device)
         if self.all_reduce_max is not None:

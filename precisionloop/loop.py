@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from tqdm.auto import tqdm
 
 from . import checkpoint, diagnostics
 from . import distributed as _dist
+from . import feed
 from .batches import batch_size
 from .checks import check_callbacks, check_directory, check_flag, check_int, check_loader, check_loggers, is_plateau
 
@@ -54,6 +56,7 @@ class FitOptions:
     log_every: int = 20
     underflow_every: int | None = None
     loggers: Sequence[Any] = ()
+    device_feed: bool = True
 
     def __post_init__(self) -> None:
         check_int("epochs", self.epochs, 0)
@@ -70,6 +73,7 @@ class FitOptions:
         if self.keep_last is not None and self.checkpoint_every is None:
             raise ValueError("keep_last applies to periodic checkpoints: set checkpoint_every too")
         check_flag("progress", self.progress)
+        check_flag("device_feed", self.device_feed)
         if self.checkpoint_dir is not None:
             check_directory("checkpoint_dir", self.checkpoint_dir)
 
@@ -219,7 +223,10 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
         cleanup.callback(setattr, engine, "sync_next", False)
         held = trainer.policy
         flags.enter_context(held.backend_flags())
-        while (batch := totals.next_batch(iterator)) is not _END:
+        pull = functools.partial(totals.next_batch, iterator)
+        if options.device_feed and trainer.device.type == "cuda":
+            pull = feed.device_feed(pull, trainer.to_device, _END, feed.CudaStreams(trainer.device))
+        while (batch := pull()) is not _END:
             engine.sync_next = total is not None and state.batch_in_epoch + 1 == total
             result = _step(trainer, batch)
             if trainer.policy is not held:  # autotune chose another policy at the first step
@@ -281,8 +288,9 @@ class _EpochTotals:
     def next_batch(self, iterator: Any) -> Any:
         """The loader's next batch (``_END`` at the end), the wait timed on the host.
 
-        Only the wait: a copy from pageable memory to the device would also wait for the GPU's queued
-        work, and count the step's time as the input's.
+        Only the wait, with the device feed or without: the copy to the device is not in it (from pageable
+        memory on the step's stream it would also wait for the GPU's queued work, and count the step's
+        time as the input's).
         """
         began = time.perf_counter()
         batch = next(iterator, _END)
@@ -384,7 +392,7 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
                 n = batch_size(batch)
                 if n == 0:
                     continue  # an empty batch has no loss to average in
-                batch = trainer.to_device(batch)
+                batch = trainer._on_device(batch)
                 with trainer.policy.autocast(device.type):
                     loss, outputs, targets = trainer._evaluation_step(batch, bool(metrics))
                 n = n or 1

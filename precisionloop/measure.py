@@ -19,8 +19,9 @@ from typing import Callable, ContextManager, Iterable, Mapping
 import torch
 
 __all__ = [
-    "NOISY_SPREAD", "NOISY_MARK", "Measurement", "Run", "time_steps", "reset_memory", "peak_mb", "memory_kind",
-    "interleaved", "paired_ratio", "format_time", "format_ratio", "format_memory", "noisy_legend",
+    "NOISY_SPREAD", "NOISY_MARK", "METHODS", "Measurement", "Run", "time_steps", "time_block", "reset_memory", "peak_mb",
+    "memory_kind", "interleaved", "method_of", "choose_method", "describe_method", "paired_ratio", "format_time",
+    "format_ratio", "format_memory", "noisy_legend",
 ]
 
 NOISY_SPREAD = 0.10
@@ -34,17 +35,35 @@ _rss = {"baseline_kb": None, "usable": None}  # the CPU resident-set baseline ta
 _Timer = Callable[[], float]
 
 
+def _warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
+    """Run ``warmup`` untimed steps; on CUDA restart the peak counters before the last one, the cache emptied first.
+
+    Emptying the cache lets go of what only the first steps needed (cuDNN's trial workspaces), so the reserved
+    peak that follows is what a steady-state step holds, CUDA-graph pools included (they are in use, so kept).
+    The last warm-up step then grows the cache back, untimed.
+    """
+    for _ in range(warmup - 1):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        if warmup:
+            torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    if warmup:
+        step()
+
+
 def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
                timer: _Timer | None = None) -> list[float]:
     """Run ``warmup`` untimed steps, then return ``iters`` step times in ms: CUDA events on CUDA, else the wall clock.
 
-    On CUDA the peak-memory counter restarts after the warm-up, so cuDNN's one-off workspace is not
-    counted. ``timer``, a clock in seconds for tests, replaces ``time.perf_counter``; not on CUDA (ValueError).
+    On CUDA the peak-memory counters restart before the last warm-up step (see :func:`time_block`), so cuDNN's
+    one-off workspace is not counted. ``timer``, a clock in seconds for tests, replaces ``time.perf_counter``;
+    not on CUDA (ValueError).
     """
     if timer is not None and device.type == "cuda":
         raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
-    for _ in range(warmup):
-        step()
+    _warm_up(step, warmup, device)
     if device.type != "cuda":
         clock = timer or time.perf_counter
         times = []
@@ -54,7 +73,6 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
             times.append((clock() - start) * 1e3)
         return times
     torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
         start.record()
@@ -62,6 +80,34 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
         end.record()
     torch.cuda.synchronize(device)
     return [start.elapsed_time(end) for start, end in events]
+
+
+def time_block(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
+               timer: _Timer | None = None) -> float:
+    """Run ``warmup`` untimed steps, then ``iters`` back to back, and return the block's time over ``iters`` in ms.
+
+    The steady state a training loop sees: nothing waits for the device between the timed steps, so each step
+    is queued while the one before it runs, and only the block's end is waited for. On CUDA a pair of CUDA
+    events brackets the block; elsewhere the wall clock (or ``timer``, a clock in seconds for tests; not on
+    CUDA: ValueError). On CUDA the peak-memory counters restart before the last warm-up step, the cache
+    emptied first, so the peaks are those of steady-state steps.
+    """
+    if timer is not None and device.type == "cuda":
+        raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
+    _warm_up(step, warmup, device)
+    if device.type != "cuda":
+        clock = timer or time.perf_counter
+        start = clock()
+        for _ in range(iters):
+            step()
+        return (clock() - start) * 1e3 / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / iters
 
 
 def _status_kb(field: str) -> int | None:
@@ -135,7 +181,8 @@ class Run:
 
 
 _Factory = Callable[[], Callable[[], object] | Run]
-_RoundResult = tuple[float, float | None] | str  # (median ms, peak MB), or the error that stopped the system
+# (ms per step, peak allocated MB, peak reserved MB), or the error that stopped the system
+_RoundResult = tuple[float, float | None, float | None] | str
 
 
 @dataclasses.dataclass
@@ -148,6 +195,9 @@ class Measurement:
     memory_kind: str = "n/a"
     settings: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
+    reserved_mb: float | None = None
+    """CUDA, a system timed alone: the most the caching allocator held during its steady-state steps, CUDA-graph
+    pools included (``torch.cuda.max_memory_reserved``); the highest over rounds. None otherwise."""
 
     @property
     def median_ms(self) -> float | None:
@@ -175,8 +225,8 @@ class Measurement:
         """A JSON-ready dict, the derived figures included."""
         return {"name": self.name, "rounds_ms": list(self.rounds_ms), "median_ms": self.median_ms,
                 "min_ms": self.min_ms, "max_ms": self.max_ms, "spread": self.spread, "noisy": self.noisy,
-                "peak_mb": self.peak_mb, "memory_kind": self.memory_kind, "settings": dict(self.settings),
-                "error": self.error}
+                "peak_mb": self.peak_mb, "reserved_mb": self.reserved_mb, "memory_kind": self.memory_kind,
+                "settings": dict(self.settings), "error": self.error}
 
 
 def _as_run(made: Callable[[], object] | Run) -> Run:
@@ -201,15 +251,22 @@ def _error_text(e: Exception) -> str:
 
 
 def _run_alone(factory: _Factory, *, iters: int, warmup: int, device: torch.device,
-               timer: _Timer | None) -> _RoundResult:
-    """Build one fresh instance and time it: (median step time, peak memory), or its error as text."""
+               timer: _Timer | None, pipelined: bool = False) -> _RoundResult:
+    """Build one fresh instance and time it: (ms per step, peak memory, peak reserved), or its error as text.
+
+    ms per step: the median of the timed steps, or with ``pipelined`` the block's time over its steps.
+    """
     try:
         reset_memory(device)
         run = _as_run(factory())
         try:
             with _context_for(run):
-                times = time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer)
-            return statistics.median(times), peak_mb(device)
+                if pipelined:
+                    ms = time_block(run.step, iters=iters, warmup=warmup, device=device, timer=timer)
+                else:
+                    ms = statistics.median(time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer))
+            reserved = torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
+            return ms, peak_mb(device), reserved
         finally:
             if run.teardown is not None:
                 run.teardown()
@@ -255,7 +312,7 @@ def _build_and_warm_up(factory: _Factory, *, warmup: int, device: torch.device) 
     return _LiveSystem(run, None if before is None or after is None else max(after - before, 0.0))
 
 
-def _time_block(live: _LiveSystem, steps: int, device: torch.device, timer: _Timer | None,
+def _time_live_block(live: _LiveSystem, steps: int, device: torch.device, timer: _Timer | None,
                 origin_mb: float | None, held_by_others: float | None) -> None:
     """Time ``steps`` steps of one instance; its peak is the block's top over the round's origin, less the others'."""
     base = None
@@ -312,11 +369,11 @@ def _blocked_round(factories: Mapping[str, _Factory], order: list[str], *, r: in
             for name in names[b % len(names):] + names[:b % len(names)] if names else []:
                 others = [x.own_mb for n, x in live.items() if n != name]
                 try:
-                    _time_block(live[name], steps, device, timer, origin, None if None in others else sum(others))
+                    _time_live_block(live[name], steps, device, timer, origin, None if None in others else sum(others))
                 except Exception as e:  # noqa: BLE001 - as above
                     out[name] = _error_text(e)
                     _call_teardown(live.pop(name))  # the step's error is the one to report
-        out.update({name: (statistics.median(x.times), x.peak_mb) for name, x in live.items()})
+        out.update({name: (statistics.median(x.times), x.peak_mb, None) for name, x in live.items()})
         return out
     finally:
         for name, x in live.items():
@@ -330,10 +387,12 @@ def _record_round(m: Measurement, got: _RoundResult) -> None:
     if isinstance(got, str):
         m.error = got
         return
-    ms, peak = got
+    ms, peak, reserved = got
     m.rounds_ms.append(ms)
     if peak is not None:
         m.peak_mb = peak if m.peak_mb is None else max(m.peak_mb, peak)
+    if reserved is not None:
+        m.reserved_mb = reserved if m.reserved_mb is None else max(m.reserved_mb, reserved)
 
 
 def count_errors(**counts: tuple[object, int]) -> list[str]:
@@ -342,8 +401,11 @@ def count_errors(**counts: tuple[object, int]) -> list[str]:
             if isinstance(value, bool) or not isinstance(value, int) or value < low]
 
 
-def _check_counts(rounds: int, iters: int, warmup: int, blocks: int, systems: Mapping) -> None:
+def _check_counts(rounds: int, iters: int, warmup: int, blocks: int, systems: Mapping, pipelined: bool = False) -> None:
     """Refuse bad counts before any system is built."""
+    if pipelined and blocks != 1:
+        raise ValueError(f"pipelined times each system alone in one block of back-to-back steps; blocks={blocks} "
+                         "alternates systems side by side instead: pass one of the two")
     counts = {"rounds": rounds, "iters": iters, "blocks": blocks, "warmup": warmup}
     if any(not isinstance(v, numbers.Integral) for v in counts.values()):
         raise ValueError(f"interleaved needs whole numbers; got {counts}")
@@ -357,11 +419,14 @@ def _check_counts(rounds: int, iters: int, warmup: int, blocks: int, systems: Ma
 
 def interleaved(systems: Mapping[str, _Factory], *, rounds: int = 3, iters: int, warmup: int, device: torch.device,
                 timer: _Timer | None = None, on_run: Callable[[int, str], None] | None = None,
-                blocks: int = 1) -> dict[str, Measurement]:
+                blocks: int = 1, pipelined: bool = False) -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated by the round.
 
     Round ``r`` runs the systems rotated left by ``r`` (A B C, then B C A, ...). With ``blocks=1``
-    each system runs alone: :func:`reset_memory`, its factory, ``warmup`` + ``iters`` steps. With
+    each system runs alone: :func:`reset_memory`, its factory, ``warmup`` + ``iters`` steps; the
+    round's figure is the median of the timed steps, or with ``pipelined=True`` the time of the
+    ``iters`` steps run back to back, over ``iters`` (:func:`time_block`): the steady state of a
+    training loop, where the host queues a step while the one before it runs. With
     ``blocks=k`` every system of the round is built and warmed up first, then their timed steps
     alternate in ``k`` blocks (block ``b`` rotated by ``b``), so a host whose speed drifts moves
     them alike, at the cost of holding them all in memory. A system's peak is then the most memory
@@ -372,16 +437,19 @@ def interleaved(systems: Mapping[str, _Factory], *, rounds: int = 3, iters: int,
     Args:
         systems: name -> zero-argument factory building a fresh model and optimizer and returning
             a step callable or a :class:`Run`.
-        iters: timed steps per system and round; a round's figure is their median.
+        iters: timed steps per system and round.
         on_run: called as ``on_run(round_index, name)`` before each system is built.
+        pipelined: time each system's steps as one block (``blocks`` must be 1).
 
     Raises:
         ValueError: a count is not a whole number, ``rounds`` or ``iters`` is below 1, ``warmup``
-            below 0 (below 1 with blocks), ``blocks`` below 1 or above ``iters``, or ``systems`` is empty.
+            below 0 (below 1 with blocks), ``blocks`` below 1 or above ``iters`` (or not 1 with
+            ``pipelined``), or ``systems`` is empty.
     """
-    _check_counts(rounds, iters, warmup, blocks, systems)
+    _check_counts(rounds, iters, warmup, blocks, systems, pipelined)
     names = list(systems)
-    settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device)}
+    settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device),
+                "method": method_of(blocks, pipelined)}
     if blocks > 1:
         settings["blocks"] = blocks
     results = {name: Measurement(name, settings=dict(settings)) for name in names}
@@ -396,13 +464,59 @@ def interleaved(systems: Mapping[str, _Factory], *, rounds: int = 3, iters: int,
             for name in order:
                 if on_run is not None:
                     on_run(r, name)
-                measured[name] = _run_alone(systems[name], iters=iters, warmup=warmup, device=device, timer=timer)
+                measured[name] = _run_alone(systems[name], iters=iters, warmup=warmup, device=device, timer=timer,
+                                            pipelined=pipelined)
         for name, got in measured.items():
             _record_round(results[name], got)
     reset_memory(device)  # let the last system's memory go before the caller goes on
     for m in results.values():
         m.memory_kind = memory_kind(device) if m.peak_mb is not None else "n/a"
     return results
+
+
+METHODS = ("pipelined", "alternating", "alone")
+"""How :func:`interleaved` times a round: ``pipelined=True``, ``blocks > 1``, or neither."""
+
+
+def method_of(blocks: int, pipelined: bool = False) -> str:
+    """The name in :data:`METHODS` of the method :func:`interleaved` runs with these arguments."""
+    return "pipelined" if pipelined else "alternating" if blocks > 1 else "alone"
+
+
+def choose_method(device: torch.device, compiled: bool) -> tuple[str, str]:
+    """The method that times a step as a training loop sees it, and why: (a name in :data:`METHODS`, the reason).
+
+    Compiled steps on CUDA: pipelined. Eager steps on CUDA: alternating (step by step). Elsewhere: alone.
+    """
+    if device.type != "cuda":
+        return "alone", ("off CUDA the wall clock times each step, and a system alone in memory has a resident-set "
+                         "growth of its own")
+    if compiled:
+        return "pipelined", ("compiled: a step started on an idle GPU adds in series the host time before its first "
+                             "kernel runs (guards, graph launch), which a training loop hides behind the step before; "
+                             "back-to-back steps time the steady state")
+    return "alternating", ("eager on CUDA: where the host bounds the step its speed drifts within a second, and "
+                           "alternating the systems step by step moves them alike")
+
+
+def describe_method(method: str, *, iters: int, blocks: int = 1) -> str:
+    """A sentence saying how a round times its systems under ``method`` (a name in :data:`METHODS`).
+
+    Raises:
+        ValueError: ``method`` is not in :data:`METHODS`.
+    """
+    if method == "pipelined":
+        return ("pipelined: each round runs the systems one after the other, each alone in memory, in an order rotated "
+                f"by the round, and times its {iters} steps back to back with one synchronisation at the end (CUDA "
+                f"events around the block on CUDA); a round's figure is the block's time / {iters}")
+    if method == "alternating":
+        steps = "step by step" if blocks == iters else f"in {blocks} blocks"
+        return (f"alternating: each round builds the systems side by side and alternates their timed steps {steps}; "
+                "a round's figure is the median of its timed steps")
+    if method == "alone":
+        return ("alone: each round runs the systems one after the other, each alone in memory, in an order rotated by "
+                "the round; a round's figure is the median of its timed steps")
+    raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
 
 
 def paired_ratio(a, b) -> tuple[float, float, float]:

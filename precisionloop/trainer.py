@@ -75,6 +75,8 @@ class Trainer:
             its fused one, which skips on the device without a host sync; ``False`` keeps it as given.
         autotune: with ``precision="auto"``, the first ``step`` measures candidates with
             :func:`precisionloop.autotune` on copies of the model and trains with the fastest sound one.
+        input_transform: run on the device on the inputs (the whole batch if ``forward_batch`` or ``compute_loss`` is
+            overridden) in ``step``, ``fit``, ``evaluate``; for uint8 images :func:`precisionloop.normalize_uint8`.
 
     Raises:
         ValueError: bad arguments, an optimizer that does not hold exactly the model's trainable
@@ -94,15 +96,12 @@ class Trainer:
                  precision: str | int | torch.dtype | PrecisionPolicy = "bf16", *,
                  device: str | torch.device | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  scheduler: Any = None, scheduler_interval: str | None = None, grad_accum_steps: int = 1,
-                 max_grad_norm: float | None = None,
-                 max_consecutive_skips: int = 20, compile: bool | str = False, distributed: str | None = "auto",
-                 autotune: bool = False, fuse_optimizer: bool = True, **removed: Any):
-        for name in removed:
-            if name not in _REMOVED:
-                raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}")
-            raise ValueError(f"Trainer({name}=...): {_REMOVED[name]}")
+                 max_grad_norm: float | None = None, max_consecutive_skips: int = 20, compile: bool | str = False,
+                 distributed: str | None = "auto", autotune: bool = False, fuse_optimizer: bool = True,
+                 input_transform: Callable[[Any], Any] | None = None, **removed: Any):
+        checks.refuse_removed("Trainer", removed, _REMOVED)
         checks.check_trainer_arguments(model, optimizer, loss_fn, scheduler, scheduler_interval,
-                                       grad_accum_steps=grad_accum_steps,
+                                       grad_accum_steps=grad_accum_steps, input_transform=input_transform,
                                        max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips,
                                        autotune=autotune, fuse_optimizer=fuse_optimizer)
         if autotune and not is_auto(precision):
@@ -120,7 +119,7 @@ class Trainer:
         checks.check_optimizer_params(model, optimizer)
         _dist.check_optimizer(optimizer, self.distributed)
         mode = compile_mode(compile, self.device)
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.optimizer, self.scheduler, self.input_transform = optimizer, scheduler, input_transform
         self.scheduler_interval = "epoch" if checks.is_plateau(scheduler) else scheduler_interval
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
@@ -162,10 +161,8 @@ class Trainer:
         self._configure(result.policy, compile_mode(result.best.compile, self.device))
         log.info("autotune: training with %s", result.best.label)
 
-    @property
-    def is_main(self) -> bool:
-        """True on the process that reports and writes checkpoints: rank 0, or the only one."""
-        return _dist.is_main()
+    is_main = property(lambda self: _dist.is_main(), doc="True on the process that reports and writes checkpoints: "
+                                                         "rank 0, or the only one.")
 
     def __repr__(self) -> str:
         return f"Trainer(model={type(self.model).__name__}, device={self.device}, policy={self.policy!r})"
@@ -209,9 +206,9 @@ class Trainer:
         if self.takes_pairs():
             batches.check_pair(batch)  # refused here, not in the step (it drops the window)
         if self._autotune_compile is not None:
-            self._run_autotune(batch)
+            self._run_autotune(self._on_device(batch))  # the candidates get what the model will
         with self.policy.backend_flags():
-            return self.engine.step(self.to_device(batch))
+            return self.engine.step(self._on_device(batch))
 
     def flush(self) -> StepResult | None:
         """Take the optimizer step for an open accumulation window, its gradients averaged over its micro-batches.
@@ -251,18 +248,20 @@ class Trainer:
     batch_in_epoch = _forwarded("loop_state", "batch_in_epoch", "Micro-batches consumed in the current epoch.")
     grad_accum_steps = _forwarded("engine", "grad_accum_steps", "Micro-batches per optimizer step.", settable=False)
     max_grad_norm = _forwarded("engine", "max_grad_norm", "The clipping norm, or None.", settable=False)
-    max_consecutive_skips = _forwarded("engine", "max_consecutive_skips", "Skipped steps in a row that raise.",
-                                       settable=False)
+    max_consecutive_skips = _forwarded("engine", "max_consecutive_skips", "Skips in a row that raise.", settable=False)
 
     def to_device(self, batch: Any) -> Any:
         """Move every tensor in a (nested) batch to the device, 4-D float tensors in the model's layout."""
         return batches.to_device(batch, self.device, self._input_format)
 
+    def _on_device(self, batch: Any) -> Any:  # what the model is given: on the device, through input_transform
+        return batches.on_device(batch, self.device, self._input_format, self.input_transform, self.takes_pairs())
+
     def fit(self, train_loader: Iterable, epochs: int = 1, *, val_loader: Iterable | None = None,
             metrics: Mapping[str, Any] | None = None, max_steps: int | None = None, progress: bool = True,
             callbacks: Sequence[Any] = (), checkpoint_dir: str | os.PathLike | None = None,
             checkpoint_every: int | None = None, keep_last: int | None = None, log_every: int = 20,
-            underflow_every: int | None = None, loggers: Sequence[Any] = ()) -> list[dict]:
+            underflow_every: int | None = None, loggers: Sequence[Any] = (), device_feed: bool = True) -> list[dict]:
         """Train until ``epochs`` epochs (counting restored ones) or ``max_steps`` optimizer steps.
 
         The model is put in train mode. An incomplete accumulation window at an epoch's end is stepped
@@ -285,6 +284,7 @@ class Trainer:
             underflow_every: measure gradient underflow every this many optimizer steps (:mod:`precisionloop.diagnostics`).
             loggers: :mod:`precisionloop.loggers` (or any object with ``log_metrics(metrics, step)``), written
                 every ``log_every`` optimizer steps and at each epoch's end.
+            device_feed: on CUDA, copy each batch on a side stream, beside the step before it; no effect on the CPU.
 
         Returns:
             One dict per epoch: ``epoch``, ``train_loss``, ``steps``, ``skipped``, ``time_s``, ``samples_per_s``,
@@ -295,7 +295,7 @@ class Trainer:
             ValueError: bad arguments, or a ReduceLROnPlateau without ``val_loader``.
         """
         options = loop.FitOptions(epochs, max_steps, progress, callbacks, checkpoint_dir, checkpoint_every,
-                                  keep_last, log_every, underflow_every, loggers)
+                                  keep_last, log_every, underflow_every, loggers, device_feed)
         return loop.fit(self, train_loader, options, val_loader, metrics)
 
     def evaluate(self, loader: Iterable, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:

@@ -30,6 +30,8 @@ def _weights(t: Trainer) -> list[torch.Tensor]:
     (dict(fuse_optimizer="no"), "fuse_optimizer must be True or False"),
     (dict(fuse_optimizer=2), "fuse_optimizer must be True or False"),
     (dict(loss_fn="mse"), "loss_fn must be a callable"),
+    (dict(input_transform="normalize"), "input_transform must be a callable .* got 'normalize'"),
+    (dict(input_transform=nn.Identity), r"input_transform .* got the class Identity \(pass an instance\)"),
 ])
 def test_trainer_flags_and_loss_fn_of_the_wrong_kind_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -87,6 +89,7 @@ class NotCallable:
     (dict(callbacks=[OnStep(), lambda trainer, result: None]), r"callbacks\[1\] is <function"),
     (dict(callbacks=[NotCallable()]), r"callbacks\[0\] is"),
     (dict(progress="False"), "progress must be True or False"),
+    (dict(device_feed="no"), "device_feed must be True or False, got 'no'"),
 ])
 def test_fit_refuses_bad_arguments_before_training(kwargs, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # checkpoint_dir="" once meant the current directory

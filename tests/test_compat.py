@@ -46,6 +46,14 @@ def test_non_finite_check_sets_found_and_multiplies():
     assert found.item() == 0.0 and clean[0].item() == 4.0
 
 
+def test_group_by_device_and_dtype_keeps_each_dtype_apart_in_order():
+    a, b, c = torch.ones(2), torch.ones(3, dtype=torch.float64), torch.zeros(1)
+    groups = _compat.group_by_device_and_dtype([a, b, c])
+    assert set(groups) == {(torch.device("cpu"), torch.float32), (torch.device("cpu"), torch.float64)}
+    assert [t is u for t, u in zip(groups[(torch.device("cpu"), torch.float32)][0][0], (a, c))] == [True, True]
+    assert groups[(torch.device("cpu"), torch.float64)][0][0][0] is b
+
+
 def test_fused_optimizers_take_the_verdict_on_the_device():
     params = list(_grad_model().parameters())
     assert _compat.skips_on_device(torch.optim.SGD(params, lr=0.1, fused=True))

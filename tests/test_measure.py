@@ -66,7 +66,7 @@ def test_median_min_max_spread_and_noisy_flag_from_a_synthetic_timer():
     assert (n.median_ms, n.min_ms, n.max_ms) == pytest.approx((10.0, 10.0, 13.0))
     assert n.spread == pytest.approx(0.3) and n.noisy
     assert q.median_ms == pytest.approx(10.2) and q.spread == pytest.approx(0.5 / 10.2) and not q.noisy
-    assert n.settings == {"rounds": 3, "iters": 4, "warmup": 2, "device": "cpu"}
+    assert n.settings == {"rounds": 3, "iters": 4, "warmup": 2, "device": "cpu", "method": "alone"}
     data = json.loads(json.dumps(n.to_dict()))
     assert data["rounds_ms"] == pytest.approx([10.0, 10.0, 13.0]) and data["noisy"] is True and data["median_ms"] == pytest.approx(10.0)
 
@@ -392,3 +392,110 @@ def test_bad_counts_are_refused_before_anything_is_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
         interleaved({"a": lambda: built.append(1) or (lambda: None)}, device=CPU, **args)
     assert built == []
+
+
+class SyncingClock(FakeClock):
+    """A clock that, like reading the time after ``torch.cuda.synchronize``, waits for the device: reading it idles it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __call__(self):
+        self.reads += 1
+        return self.now
+
+
+class ColdStartSystem:
+    """A step that costs ``steady_ms`` on ``clock``, plus ``cold_ms`` when it starts on an idle device.
+
+    The device is idle when the clock was read (a synchronisation) since this system's last step ended, or
+    when nothing ran yet: the penalty a step started on an idle GPU pays and a step queued behind another does not.
+    """
+
+    def __init__(self, clock, steady_ms, cold_ms):
+        self.clock, self.steady_ms, self.cold_ms = clock, steady_ms, cold_ms
+        self.builds = 0
+
+    def factory(self):
+        self.builds += 1
+        reads_at_last_end = [None]
+
+        def step():
+            cold = reads_at_last_end[0] != self.clock.reads
+            self.clock.now += (self.steady_ms + (self.cold_ms if cold else 0.0)) / 1e3
+            reads_at_last_end[0] = self.clock.reads
+
+        return step
+
+
+def test_pipelined_recovers_the_steady_state_that_step_by_step_alternation_over_reports():
+    clock = SyncingClock()
+    a, b = ColdStartSystem(clock, 8.0, 3.0), ColdStartSystem(clock, 10.0, 3.0)
+    systems = {"a": a.factory, "b": b.factory}
+    stepwise = interleaved(systems, rounds=3, iters=6, warmup=2, device=CPU, timer=clock, blocks=6)
+    pipelined = interleaved(systems, rounds=3, iters=6, warmup=2, device=CPU, timer=clock, pipelined=True)
+    # Step by step every timed step starts on an idle device and pays the idle start in full ...
+    assert stepwise["a"].rounds_ms == pytest.approx([11.0] * 3) and stepwise["b"].rounds_ms == pytest.approx([13.0] * 3)
+    # ... back to back only the block's first step does, spread over its 6 steps.
+    assert pipelined["a"].rounds_ms == pytest.approx([8.0 + 3.0 / 6] * 3)
+    assert pipelined["b"].rounds_ms == pytest.approx([10.0 + 3.0 / 6] * 3)
+    assert a.builds == b.builds == 6  # a fresh instance per round under both methods
+    assert pipelined["a"].settings["method"] == "pipelined" and stepwise["a"].settings["method"] == "alternating"
+
+
+def test_time_block_is_the_blocks_time_over_its_steps_after_an_untimed_warm_up():
+    clock, steps = FakeClock(), []
+
+    def step():
+        steps.append(1)
+        clock.now += 0.002 * len(steps)  # the n-th step takes 2n ms
+
+    assert measure.time_block(step, iters=2, warmup=3, device=CPU, timer=clock) == pytest.approx((8.0 + 10.0) / 2)
+    assert len(steps) == 5
+    with pytest.raises(ValueError, match="CUDA"):
+        measure.time_block(step, iters=1, warmup=0, device=torch.device("cuda"), timer=clock)
+
+
+def test_pipelined_runs_each_system_alone_and_refuses_blocks():
+    clock, order = FakeClock(), []
+    calls = {name: [] for name in "AB"}
+    systems = {name: synthetic(clock, [1.0, 2.0], calls[name]) for name in "AB"}
+    got = interleaved(systems, rounds=2, iters=3, warmup=1, device=CPU, timer=clock, pipelined=True,
+                      on_run=lambda r, n: order.append((r, n)))
+    assert order == [(0, "A"), (0, "B"), (1, "B"), (1, "A")]
+    assert got["A"].rounds_ms == pytest.approx([1.0, 2.0]) and got["A"].reserved_mb is None  # no CUDA: no reserve
+    with pytest.raises(ValueError, match="pipelined"):
+        interleaved(systems, iters=4, warmup=1, device=CPU, blocks=2, pipelined=True)
+
+
+def test_the_method_is_chosen_by_what_is_timed_and_described_by_name():
+    cuda = torch.device("cuda")
+    assert measure.choose_method(cuda, compiled=True)[0] == "pipelined"
+    assert measure.choose_method(cuda, compiled=False)[0] == "alternating"
+    assert measure.choose_method(CPU, compiled=True)[0] == measure.choose_method(CPU, compiled=False)[0] == "alone"
+    assert all(measure.choose_method(d, c)[1] for d in (cuda, CPU) for c in (True, False))  # a reason each
+    assert measure.method_of(1) == "alone" and measure.method_of(5) == "alternating"
+    assert measure.method_of(1, pipelined=True) == "pipelined"
+    text = measure.describe_method("pipelined", iters=50)
+    assert text.startswith("pipelined:") and "back to back" in text and "/ 50" in text
+    assert measure.describe_method("alternating", iters=50, blocks=50).endswith(
+        "alternates their timed steps step by step; a round's figure is the median of its timed steps")
+    assert "in 5 blocks" in measure.describe_method("alternating", iters=50, blocks=5)
+    assert measure.describe_method("alone", iters=3).startswith("alone: each round runs the systems one after the other")
+    with pytest.raises(ValueError, match="steady"):
+        measure.describe_method("steady", iters=3)
+
+
+@pytest.mark.gpu
+def test_pipelined_on_cuda_reports_the_reserved_peak_of_the_steady_state():
+    device = torch.device("cuda")
+
+    def factory():
+        model = torch.nn.Linear(256, 256).to(device)
+        x = torch.randn(64, 256, device=device)
+        return lambda: model(x).sum().backward()
+
+    got = interleaved({"a": factory}, rounds=2, iters=5, warmup=2, device=device, pipelined=True)["a"]
+    assert len(got.rounds_ms) == 2 and all(ms > 0 for ms in got.rounds_ms)
+    assert got.reserved_mb >= got.peak_mb > 0 and got.to_dict()["reserved_mb"] == got.reserved_mb

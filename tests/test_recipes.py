@@ -23,6 +23,8 @@ def test_benchmark_recipe_tiny_cpu_run(tmp_path, capsys):
     got = {(r["system"], r["precision"], r["batch_size"]) for r in data["results"]}
     assert got == {(s, p, b) for s in ("precisionloop", "hand") for p in ("fp32", "bf16") for b in (2, 3)}
     assert all((r["peak_mb"] is None) == (r["memory_kind"] == "n/a") and r["median_ms"] > 0 for r in data["results"])
+    assert all(r["settings"]["method"] == "alone" and r["reserved_mb"] is None for r in data["results"])
+    assert "timing: alone: each round runs the systems one after the other" in text
     assert data["environment"]["torch"]
 
 
@@ -157,12 +159,62 @@ def test_benchmark_recipe_times_a_transformer(tmp_path, capsys):
         assert s["image_size"] is None and s["channels_last"] is None and s["optimizer"] == "sgd"
 
 
-def test_benchmark_recipe_alternates_step_by_step_on_cuda(monkeypatch):
+def test_benchmark_recipe_times_compiled_steps_pipelined_and_eager_ones_step_by_step_on_cuda(monkeypatch):
+    import torch
+
+    from precisionloop.recipes import timing
+
     _cuda_of(monkeypatch, (9, 0))
+    cuda = torch.device("cuda", 0)
     args = resnet18_bench.parse_args([])
-    assert args.blocks == args.iters == 50
-    assert resnet18_bench._alternation(args).endswith("alternates their timed steps step by step")
-    assert resnet18_bench._alternation(resnet18_bench.parse_args(["--blocks", "5"])).endswith("timed steps in 5 blocks")
+    assert args.method == "auto" and args.blocks == args.iters == 50
+    assert timing.method_for(args, cuda, compiled=False)[0] == "alternating"
+    assert timing.method_for(args, cuda, compiled=True)[0] == "pipelined"
+    assert timing.interleaved_kwargs("pipelined", args) == {"blocks": 1, "pipelined": True}
+    assert timing.interleaved_kwargs("alternating", args) == {"blocks": 50, "pipelined": False}
+    text = timing.describe(args, cuda, {"tf32": False, "bf16": False, "fp8": True})
+    eager, compiled = text.splitlines()
+    assert eager.startswith("timing [tf32, bf16]: alternating:") and "step by step" in eager and "why: eager" in eager
+    assert compiled.startswith("timing [fp8]: pipelined:") and "back to back" in compiled and "why: compiled" in compiled
+    one = timing.describe(args, cuda, {"bf16": True})
+    assert one.startswith("timing: pipelined:") and "\n" not in one
+    blocks = resnet18_bench.parse_args(["--blocks", "5"])  # --blocks alone asks for alternation, compiled or not
+    assert blocks.method == "alternating" and timing.method_for(blocks, cuda, compiled=True) == ("alternating", timing.ASKED)
+    assert "in 5 blocks" in timing.describe(blocks, cuda, {"bf16": True})
+    forced = resnet18_bench.parse_args(["--method", "pipelined"])
+    assert forced.blocks == 1 and timing.method_for(forced, cuda, compiled=False)[0] == "pipelined"
+
+
+def test_benchmark_recipe_says_which_method_timed_it_and_records_it(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    resnet18_bench.main([*TINY, "--batch-sizes", "2", "--precisions", "bf16", "--rounds", "1", "--method", "pipelined",
+                         "--no-memory-table", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "timing: pipelined: each round runs the systems one after the other" in text
+    assert "why: asked for on the command line" in text and "where the memory goes" not in text
+    results = json.loads(out.read_text())["results"]
+    assert {r["settings"]["method"] for r in results} == {"pipelined"} and all(r["error"] is None for r in results)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "pipelined", "--blocks", "5"], "--method pipelined times each alone"),
+    (["--method", "alternating", "--blocks", "1"], "--method alternating needs --blocks >= 2"),
+])
+def test_benchmark_recipe_refuses_blocks_with_a_method_that_times_systems_alone(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        resnet18_bench.parse_args(["--device", "cpu", "--iters", "6", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_benchmark_recipe_transformer_large_size_is_877m_parameters(monkeypatch):
+    from precisionloop.recipes import models
+
+    _cuda_of(monkeypatch, (9, 0))
+    args = resnet18_bench.parse_args(["--model", "transformer", "--size", "large", "--heads", "64"])
+    assert (args.layers, args.d_model, args.d_ff, args.heads, args.seq_len) == (4, 4096, 16384, 64, 1024)
+    assert "add fp8 to --precisions" in " ".join(args.notes)
+    assert models.parameter_count(**models.LARGE) == 876_838_912
+    assert models.describe(models.LARGE) == "4 layers, d_model 4096, d_ff 16384, 32 heads, 877M parameters"
 
 
 def test_benchmark_recipe_transformer_cpu_defaults_are_tiny_and_reference_on_cuda(monkeypatch):
@@ -223,6 +275,9 @@ def test_transformer_stack_shapes_and_linear_sizes():
         assert linears[f"blocks.{i}.mlp.0"] == (48, 96) and linears[f"blocks.{i}.mlp.2"] == (96, 48)
     assert linears["head"] == (48, 50)
     assert not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    from precisionloop.recipes.models import parameter_count
+
+    assert parameter_count(3, 48, 96, 4, 50, 16) == sum(p.numel() for p in model.parameters())
     causal = model(inputs)[:, :4]
     changed = inputs.clone()
     changed[:, 4:] = (changed[:, 4:] + 1) % 50
@@ -360,6 +415,22 @@ def test_peers_script_runs_and_skips_missing_peers(tmp_path, capsys):
     assert json.loads(out.read_text())["results"]
 
 
+def test_fp8_script_times_bf16_against_fp8_and_compares_their_losses_on_the_cpu(tmp_path, capsys):
+    fp8 = _benchmark_script("fp8")
+    out = tmp_path / "fp8.json"
+    report = fp8.main(["--tiny", "--part", "speed,loss", "--loss-steps", "3", "--rounds", "2", "--iters", "2",
+                       "--warmup", "1", "--seq-batch", "2", "--json", str(out)])
+    speed, loss = report["parts"]["speed"], report["parts"]["loss"]
+    assert speed["method"] == "alone" and set(speed["timings"]) == {"bf16", "fp8"}  # fp8 emulated with --tiny
+    assert all(len(t["rounds_ms"]) == 2 and t["error"] is None for t in speed["timings"].values())
+    ratios = [f / b for b, f in zip(speed["timings"]["bf16"]["rounds_ms"], speed["timings"]["fp8"]["rounds_ms"])]
+    assert speed["speedup_fp8_vs_bf16"] == pytest.approx([2 / sum(ratios), 1 / max(ratios), 1 / min(ratios)])
+    assert loss["ratio"] == pytest.approx(loss["end_loss"]["fp8"] / loss["end_loss"]["bf16"])
+    assert len(loss["curves"]["bf16"]) == len(loss["curves"]["fp8"]) == 3
+    assert "timing: alone:" in capsys.readouterr().out
+    assert json.loads(out.read_text())["parts"]["speed"]["sizes"]["d_model"] == 64
+
+
 def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
     loop_cost = _benchmark_script("loop_cost")
     out = tmp_path / "loop_cost.json"
@@ -371,6 +442,45 @@ def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
     assert systems["step"]["vs_hand"] is not None and systems["fit"]["vs_hand"] is not None
     assert json.loads(out.read_text())["configs"][0]["config"]["batch_size"] == 32
     assert "bf16 b32 fused-sgd eager" in capsys.readouterr().out
+
+
+def test_the_loader_mode_times_fit_beside_the_resident_step_and_a_hand_loop(tmp_path, capsys, monkeypatch):
+    from precisionloop import Trainer
+
+    out = tmp_path / "loader.json"
+    fits = []
+    original = Trainer.fit
+    monkeypatch.setattr(Trainer, "fit", lambda self, *a, **k: fits.append(k["device_feed"]) or original(self, *a, **k))
+    rows = resnet18_bench.main(["--loader", "--device", "cpu", "--precisions", "bf16", "--batch-sizes", "2",
+                                "--image-size", "32", "--images", "4", "--workers", "0", "--rounds", "1",
+                                "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "over a DataLoader" in text and "fit / hand loop" in text and "the slower bound" in text
+    assert "the device feed does nothing" in text  # on the CPU: no twin without the feed
+    data = json.loads(out.read_text())["loader"]
+    assert len(data) == len(rows) == 8 and len(fits) == 2 * 2  # per image dtype: a warm-up epoch and one round
+    systems = ("loader alone", "resident step", "hand loop", "fit")
+    assert {(r["images"], r["system"], r["pin_memory"]) for r in data} == {
+        (i, s, False) for i in ("float32", "uint8") for s in systems}
+    for r in data:
+        assert r["precision"] == "bf16" and r["batch_size"] == 2 and r["steps"] == 2 and len(r["rounds_ms"]) == 1
+        assert r["median_ms"] > 0 and r["img_per_s"] == pytest.approx(1000 * 2 / r["median_ms"])
+        waits = r["system"] in ("hand loop", "fit")
+        assert (r["data_fraction"] is not None) == waits and (not waits or 0 <= r["data_fraction"] <= 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--workers", "2"], "--workers only apply with --loader"),
+    (["--loader", "--pin-memory", "on"], "pinned memory is for copies to CUDA; on cpu use off"),
+    (["--loader", "--model", "transformer"], "--model transformer is not for it"),
+    (["--loader", "--images", "1"], "--images (1) must hold at least one batch of 8"),
+    (["--loader", "--workers", "-1"], "--workers must be >= 0"),
+    (["--loader", "--image-dtypes", "float16"], "--image-dtypes takes float32 and/or uint8"),
+])
+def test_the_loader_mode_refuses_bad_arguments_before_measuring(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        resnet18_bench.parse_args(["--device", "cpu", *flags])
+    assert message in capsys.readouterr().err
 
 
 # Bad arguments, refused at parsing (unchecked, each ran its timings or training first, then failed and lost
@@ -431,6 +541,31 @@ def test_peers_pair_their_fp32_with_ours_on_the_cpu(monkeypatch):
     _cuda_of(monkeypatch, (9, 0))
     args = peers.bench.parse_args([])
     assert peers._group("fp32", args) == "tf32" and peers._group("bf16", args) == "bf16"
+
+
+def test_peers_time_each_peer_at_its_default_layout_and_in_channels_last(monkeypatch):
+    import torch
+
+    peers = _benchmark_script("peers")
+    seen = {}
+
+    def fake_peer(model, batch, precision, device, fused):
+        conv = model.conv1.weight
+        seen[len(seen)] = (conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous(),
+                           batch[0].is_contiguous(memory_format=torch.channels_last) and not batch[0].is_contiguous())
+        return lambda: None
+
+    monkeypatch.setitem(peers.PEERS, "fake", fake_peer)
+    assert peers.peer_systems(["fake"], ["default", "channels_last"]) == [("fake", "fake", False),
+                                                                          ("fake+channels_last", "fake", True)]
+    args = peers.bench.parse_args(TINY)
+    results = peers.measure_group(2, "bf16", args, peers.peer_systems(["fake"], list(peers.LAYOUTS)), ["bf16"],
+                                  on_run=lambda r, n: None)
+    assert {r.system for r in results} == {"precisionloop", "hand", "fake", "fake+channels_last"}
+    assert all(r.error is None and r.settings["method"] == "alone" for r in results)
+    assert set(seen.values()) == {(False, False), (True, True)}  # one NCHW instance per round, one channels_last
+    with pytest.raises(SystemExit):
+        peers.main(["--device", "cpu", "--peer-layouts", "nhwc"])
 
 
 def test_peers_refuses_an_unknown_peer_precision_and_skips_a_group_with_no_system(capsys):
@@ -604,3 +739,12 @@ def test_max_batch_recovery_on_cuda_returns_the_allocator_to_its_baseline():
     assert fits(64) >= 4 * 64 and torch.cuda.memory_allocated(device) == baseline
     got = max_batch.search(fits, start=16, cap=1024, resolution=8)
     assert got.largest == 64 and got.smallest_failed == 72
+@pytest.mark.gpu
+def test_the_loader_mode_on_cuda_times_fit_with_and_without_the_feed_pinned_and_not(tmp_path):
+    out = tmp_path / "loader.json"
+    resnet18_bench.main(["--loader", "--precisions", "bf16", "--batch-sizes", "4", "--image-size", "32", "--images", "8",
+                         "--workers", "2", "--rounds", "1", "--json", str(out)])
+    data = json.loads(out.read_text())["loader"]
+    assert {(r["system"], r["pin_memory"]) for r in data} >= {("fit", True), ("fit, no feed", True),
+                                                              ("fit", False), ("fit, no feed", False)}
+    assert all(r["median_ms"] > 0 for r in data)

@@ -13,9 +13,25 @@ from torch.nn import functional as F
 # The reference configuration (the recipe's CUDA default) and a tiny one for the CPU.
 REFERENCE = {"layers": 4, "d_model": 2048, "d_ff": 8192, "heads": 16, "seq_len": 1024, "vocab": 8192}
 TINY = {"layers": 2, "d_model": 64, "d_ff": 256, "heads": 4, "seq_len": 32, "vocab": 256}
+# Where fp8 pays: matmuls of 8192 tokens x 4096 -> 16384 and back (877M parameters with 4 layers).
+LARGE = {"layers": 4, "d_model": 4096, "d_ff": 16384, "heads": 32, "seq_len": 1024, "vocab": 8192}
+SIZES = {"tiny": TINY, "reference": REFERENCE, "large": LARGE}
 
 
 MINIMUM = {"layers": 1, "d_model": 1, "d_ff": 1, "heads": 1, "seq_len": 1, "vocab": 2}
+
+
+def parameter_count(layers: int, d_model: int, d_ff: int, heads: int, vocab: int, seq_len: int) -> int:
+    """The parameters of a TransformerStack of these sizes, counted without building it."""
+    block = 4 * (d_model * d_model + d_model) + 2 * d_model * d_ff + d_ff + d_model + 4 * d_model  # + 2 LayerNorms
+    return layers * block + (vocab + seq_len) * d_model + 2 * d_model + d_model * vocab + vocab
+
+
+def describe(sizes: dict) -> str:
+    """"4 layers, d_model 4096, d_ff 16384, 32 heads, 877M parameters" for a dict of sizes such as LARGE."""
+    n = parameter_count(**sizes)
+    count = f"{n / 1e6:.0f}M" if n >= 10**6 else f"{n:,}"
+    return f"{sizes['layers']} layers, d_model {sizes['d_model']}, d_ff {sizes['d_ff']}, {sizes['heads']} heads, {count} parameters"
 
 
 def check_sizes(layers: int, d_model: int, d_ff: int, heads: int, vocab: int, seq_len: int) -> None:

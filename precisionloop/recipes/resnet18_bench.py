@@ -4,8 +4,10 @@ Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. The
 ``step`` is what is timed; a hand-written torch.amp loop with identical settings runs beside it
 in the same process, and the ratio of the two is the wrapper's cost. Each configuration is timed
 in several interleaved rounds (``precisionloop.measure.interleaved``), a fresh model and optimizer
-each round: by default on CUDA the two systems' timed steps alternate step by step (``--blocks``), on
-the CPU the systems run one after the other. Each is reported as the median over rounds with the rounds' min-max
+each round, by the method that fits what is timed (``--method``, ``precisionloop.recipes.timing``): on
+CUDA compiled steps run back to back in one timed block per system and round (pipelined), eager steps
+alternate between the two systems step by step; on the CPU the systems run one after the other; the
+header says which ran and why. Each is reported as the median over rounds with the rounds' min-max
 spread, and beside it its speed-up over tf32 (over strict fp32 on a device without TF32: the CPU, or a
 GPU below compute capability 8.0, where tf32 is refused because it would time fp32 again). After the speed
 tables, a table per precision says where the memory goes at the largest batch size
@@ -14,7 +16,8 @@ exactly; on CUDA also the peak, what it holds beyond those (activations and work
 
 ``--model transformer`` times a Linear-heavy decoder stack (``precisionloop.recipes.models``) on
 random tokens instead of a torchvision model on random images: on CUDA by default the reference
-4 layers of d_model 2048 and d_ff 8192 on 8 x 1024 tokens, on the CPU a tiny one.
+4 layers of d_model 2048 and d_ff 8192 on 8 x 1024 tokens, on the CPU a tiny one; ``--size large`` is
+4 layers of d_model 4096, d_ff 16384 and 32 heads (877M parameters), a size at which fp8 matmuls pay.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from precisionloop.tuning import default_candidates, tunable_precisions
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
                                    noisy_legend, paired_ratio, reset_memory)
 from precisionloop.policy import PrecisionPolicy
-from precisionloop.recipes import max_batch, models
+from precisionloop.recipes import loader_bench, max_batch, models, timing
+from precisionloop.recipes.memory_report import format_memory_table, memory_legend
 
 ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 BASELINE = "tf32"  # the "vs" row's reference where TF32 exists; strict fp32 elsewhere (parse_args sets args.baseline)
@@ -66,13 +70,15 @@ class Result:
     skipped: int = 0
     error: str | None = None
     settings: dict = dataclasses.field(default_factory=dict)
+    reserved_mb: float | None = None
 
     @classmethod
     def from_measurement(cls, m: Measurement, precision: str, batch_size: int, skipped: int = 0, **settings) -> "Result":
         """The Result for a measured system; ``settings`` are added to the measurement's own."""
         return cls(m.name, precision, batch_size, m.median_ms, m.min_ms, m.max_ms, m.spread, m.noisy, list(m.rounds_ms),
                    m.peak_mb, m.memory_kind, skipped, m.error,
-                   {**m.settings, "system": m.name, "precision": precision, "batch_size": batch_size, **settings})
+                   {**m.settings, "system": m.name, "precision": precision, "batch_size": batch_size, **settings},
+                   m.reserved_mb)
 
 
 def environment(device: torch.device) -> dict:
@@ -209,9 +215,11 @@ def measure(precision: str, batch_size: int, args, device: torch.device, systems
     policy = policy_for(precision, args)
     skipped: dict[str, list[int]] = {s: [] for s in systems}
     factories = {s: system_factory(s, policy, batch_size, args, device, skipped[s]) for s in systems}
+    compiled = compile_for(policy, args, device) or False
+    method, why = timing.method_for(args, device, bool(compiled))
     measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=device,
-                           on_run=on_run, blocks=args.blocks)
-    settings = {**settings_of(args), "compile": compile_for(policy, args, device) or False}  # per row: fp8 differs
+                           on_run=on_run, **timing.interleaved_kwargs(method, args))
+    settings = {**settings_of(args), "compile": compiled, "method_why": why}  # per row: fp8 differs
     return [Result.from_measurement(m, precision, batch_size, sum(skipped[s]), **settings)
             for s, m in measured.items()]
 
@@ -234,11 +242,14 @@ def format_table(results: list[Result], system: str, precisions: list[str], batc
         rs = [cell.get((bs, p)) for p in precisions]
         lines.append(row(str(bs), ["-" if r is None else "error" if r.error else format_time(r) for r in rs]))
         lines.append(row(mem_label, ["" if r is None or r.error else format_memory(r) for r in rs]))
+        if any(r is not None and r.reserved_mb is not None for r in rs):
+            lines.append(row("reserved MB", ["" if r is None or r.reserved_mb is None else f"{r.reserved_mb:.0f} MB"
+                                              for r in rs]))
         base = cell.get((bs, baseline))
         if base is not None and not base.error:
             lines.append(row("vs " + baseline, [_versus(r, base) for r in rs]))
     legend = noisy_legend(cell.values())
-    return "\n".join(lines + ([legend] if legend else []))
+    return "\n".join(lines + ([legend] if legend else []) + memory_legend(cell.values()))
 
 
 def _versus(r: Result | None, base: Result) -> str:
@@ -316,11 +327,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3,
                    help="rounds per configuration, a fresh model and optimizer each, the systems' order rotated "
                         "each round; the median over rounds is reported with the min-max spread (default 3)")
-    p.add_argument("--blocks", type=int, default=None,
-                   help="alternating blocks each round's timed steps are split into, the round's systems built side by "
-                        "side, so the Trainer and the hand loop are timed close together (default on CUDA: --iters, "
-                        "the systems alternating step by step, each step starting on an idle GPU; 1 on the CPU: one "
-                        "system after the other, each alone in memory)")
+    timing.add_flags(p)
     p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default 224 on CUDA, 112 on the CPU; not for the transformer)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="force channels_last on or off (default: the policy's choice, on for CUDA)")
@@ -336,10 +343,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed", choices=("ddp", "fsdp"), default=None,
                    help="under torchrun, wrap the Trainer's model with DDP or FSDP2 (times are per rank)")
     p.add_argument("--no-hand-loop", action="store_true", help="skip the hand-written loop (no wrapper-cost figures)")
+    p.add_argument("--memory-table", action=argparse.BooleanOptionalAction, default=True,
+                   help="end with the table of where the memory goes (default on; off saves compiling one more model "
+                        "per precision)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart here (needs matplotlib)")
+    loader_bench.add_arguments(p)
     t = p.add_argument_group("--model transformer", "sizes of the Transformer stack (defaults: the reference on CUDA, "
                              "a tiny stack on the CPU)")
+    t.add_argument("--size", choices=tuple(models.SIZES), default=None,
+                   help="a named size, each flag below overriding its part: " + "; ".join(
+                       f"{name}: {models.describe(sizes)}" for name, sizes in models.SIZES.items()))
     for name in TRANSFORMER_SIZES:
         t.add_argument("--" + name.replace("_", "-"), type=int, default=None, dest=name,
                        help=f"default {models.REFERENCE[name]} on CUDA, {models.TINY[name]} on the CPU")
@@ -370,18 +384,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_sizes = _ints(p, "--batch-sizes", default_bs if args.batch_sizes is None else args.batch_sizes)
     args.iters = args.iters if args.iters is not None else (50 if cuda else 6)
     args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 2)
-    # Step by step on CUDA: at batch 32 the host bounds the step, and its speed drifts within a second; blocks of 10
-    # steps left the wrapper cost 0.96-1.20x from run to run, alternating every step 1.02-1.07x (RESULTS.md).
-    args.blocks = args.blocks if args.blocks is not None else (args.iters if cuda else 1)
-    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
-                             ("--blocks", args.blocks, 1)):
+    for flag, value, low in (("--iters", args.iters, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1)):
         if value < low:
             p.error(f"{flag} must be >= {low}, got {value}")
-    if args.blocks > args.iters:
-        p.error(f"--blocks ({args.blocks}) cannot exceed --iters ({args.iters}): each block needs a timed step")
-    if args.blocks > 1 and args.warmup < 1:
-        p.error(f"--blocks {args.blocks} needs --warmup >= 1 (what each system holds is read after its warm-up); "
-                "or pass --blocks 1")
+    timing.settle(p, args, cuda)
     if transformer:
         _transformer_args(p, args, cuda)
     else:
@@ -389,6 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not cuda:
         args.notes.append(_cpu_note(args))
     max_batch.check_arguments(p, args)
+    loader_bench.settle(p, args)
     return args
 
 
@@ -432,13 +439,14 @@ def _image_args(p: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool
     if args.image_size < 16:
         p.error(f"--image-size must be >= 16, got {args.image_size}")
     given = ["--" + k.replace("_", "-") for k in TRANSFORMER_SIZES if getattr(args, k) is not None]
+    given += ["--size"] if args.size is not None else []
     if given:
         args.notes.append(f"{', '.join(given)} only apply to --model {TRANSFORMER}; ignored for {args.model}")
 
 
 def _transformer_args(p: argparse.ArgumentParser, args: argparse.Namespace, cuda: bool) -> None:
     """Fill the Transformer's sizes from the device's defaults and check them; image flags do not apply."""
-    defaults = models.REFERENCE if cuda else models.TINY
+    defaults = models.SIZES[args.size] if args.size else models.REFERENCE if cuda else models.TINY
     for name in TRANSFORMER_SIZES:
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
@@ -450,6 +458,8 @@ def _transformer_args(p: argparse.ArgumentParser, args: argparse.Namespace, cuda
         args.notes.append(f"--image-size is ignored for --model {TRANSFORMER} (its inputs are token ids)")
     if args.channels_last is not None:
         args.notes.append(f"--channels-last does not apply to --model {TRANSFORMER} (no 2-D convolutions); ignored")
+    if args.size == "large" and cuda and "fp8" not in args.precisions:
+        args.notes.append("--size large is where fp8 pays: add fp8 to --precisions to time it")
     args.image_size = args.channels_last = None
 
 
@@ -531,14 +541,6 @@ def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
     return policy
 
 
-def _alternation(args: argparse.Namespace) -> str:
-    """How a round times its systems: one after the other, or built side by side with their timed steps alternating."""
-    if args.blocks == 1:
-        return "each round runs the systems one after the other, each alone in memory, in an order rotated by the round"
-    steps = "step by step" if args.blocks == args.iters else f"in {args.blocks} blocks"
-    return f"each round builds the systems side by side and alternates their timed steps {steps}"
-
-
 def header(args: argparse.Namespace, env: dict) -> str:
     """What is timed, on what, how: the report's first lines."""
     optimizer = f"{'fused ' if args.fused else ''}{OPTIMIZERS[args.optimizer]}"
@@ -555,20 +557,17 @@ def header(args: argparse.Namespace, env: dict) -> str:
     return (f"precisionloop benchmark: {args.model} training steps (forward, backward, {optimizer}), {env['date']}\n"
             f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
             f"{inputs}, {args.rounds} rounds of {args.warmup} warm-up + {args.iters} timed steps per system, "
-            f"a fresh model and optimizer each; {_alternation(args)}"
-            "; median over rounds of per-round medians [min-max]"
-            f" | channels_last: {layout}")
-
-
-MEMORY_ROWS = (("parameters_mb", "parameters"), ("buffers_mb", "buffers"), ("gradients_mb", "gradients"),
-               ("optimizer_state_mb", "optimizer state"), ("activations_and_workspace_mb", "activations+workspace"),
-               ("peak_mb", "peak"), ("reserved_mb", "reserved"))
+            f"a fresh model and optimizer each; median over rounds of the rounds' figures [min-max]"
+            f" | channels_last: {layout}\n"
+            + timing.describe(args, args.device, {p: bool(compile_for(policy_for(p, args), args, args.device))
+                                                  for p in args.precisions}))
 
 
 def memory_of(precision: str, batch_size: int, args, device: torch.device) -> MemoryBreakdown:
     """The memory breakdown of a fresh Trainer at ``precision``, as the timed systems build it, read during a step.
 
-    On CUDA, ``--warmup`` steps (one at least) run first and the peak is then restarted, as before the timed steps.
+    On CUDA, ``--warmup`` steps (one at least) run first; then the cache they leave is emptied and the peak
+    restarted, so the peak and the reserve are those of steady-state steps, alike for every precision and mode.
     Then two steps: the breakdown is read in the second, between its backward and its optimizer step (the engine's
     hook that fit's underflow telemetry uses), so the gradients and the first step's optimizer state are present.
     """
@@ -582,6 +581,7 @@ def memory_of(precision: str, batch_size: int, args, device: torch.device) -> Me
         for _ in range(max(args.warmup, 1)):
             trainer.step(batch)
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # what only the warm-up needed (cuDNN's trials); CUDA-graph pools in use stay
         torch.cuda.reset_peak_memory_stats(device)
     seen: list[MemoryBreakdown] = []
     trainer.step(batch)
@@ -602,31 +602,10 @@ def memory_breakdowns(args, device: torch.device) -> dict[str, MemoryBreakdown |
     return got
 
 
-def format_memory_table(breakdowns: dict[str, MemoryBreakdown | str], batch_size: int) -> str:
-    """A column per precision, a row per part in MB; rows no precision has (the CUDA-only ones elsewhere) left out."""
-    parts = {p: b.to_dict() for p, b in breakdowns.items() if isinstance(b, MemoryBreakdown)}
-    rows = [(key, name) for key, name in MEMORY_ROWS if any(d[key] is not None for d in parts.values())]
-    width = max([9] + [len(p) for p in breakdowns])
-    label = max(len(name) for _, name in MEMORY_ROWS)
-
-    def cell(precision: str, key: str) -> str:
-        value = parts[precision][key] if precision in parts else None
-        return "" if value is None else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
-
-    lines = [f"\nwhere the memory goes (batch {batch_size}), MB, read between a step's backward and its optimizer step:",
-             f"{'':>{label}} | " + " | ".join(f"{p:>{width}}" for p in breakdowns)]
-    lines += [f"{name:>{label}} | " + " | ".join(f"{cell(p, key):>{width}}" for p in breakdowns) for key, name in rows]
-    lines += [f"{p}: {b}" for p, b in breakdowns.items() if not isinstance(b, MemoryBreakdown)]
-    if any(d["peak_mb"] is not None for d in parts.values()):
-        lines.append("peak: allocated since the steps before it (torch.cuda.max_memory_allocated); "
-                     "activations+workspace: the peak less the four parts above it")
-    elif parts:
-        lines.append("exact parts only: the peak, the activations and workspace and the reserve are measured on CUDA")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> list[Result]:
     args = parse_args(argv)
+    if args.loader:
+        return loader_bench.main(args)
     device: torch.device = args.device
     say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)  # under torchrun, rank 0 reports
     env = environment(device)
@@ -653,8 +632,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
         say("\nhand-written torch.amp loop, same settings:")
         say(format_table(results, "hand", args.precisions, args.batch_sizes, args.baseline))
         say("\n" + format_wrapper_cost(results))
-    memory = memory_breakdowns(args, device)
-    say(format_memory_table(memory, max(args.batch_sizes)))
+    memory = memory_breakdowns(args, device) if args.memory_table else {}
+    if memory:
+        say(format_memory_table(memory, max(args.batch_sizes)))
     if args.max_batch:
         say(max_batch.report(args, device))
     for r in results:

@@ -1,0 +1,318 @@
+"""``resnet18_bench --loader``: ``fit`` over a real DataLoader, beside the resident step and a hand loop over it.
+
+The images are synthetic and in memory (``--images``, 224x224 on CUDA), each batch gathered from them at once
+by the DataLoader's workers (``--workers``), as float32 or as uint8 normalised on the device
+(``Trainer(input_transform=normalize_uint8(...))``), with pinned memory or without. For each precision and batch
+size, and each of these loaders, the systems are:
+
+- ``loader alone``: the DataLoader iterated, nothing sent to the device;
+- ``resident step``: ``Trainer.step`` on one batch already on the device (no data moves);
+- ``hand loop``: a torch.amp loop written out by hand over the loader;
+- ``fit``: ``Trainer.fit`` over the loader, with the device feed (CUDA); ``fit, no feed``: with ``device_feed=False``.
+
+Each system is built once per loader, runs one untimed epoch, then one timed epoch per round, the systems'
+order rotated by the round. The report gives ms per step (median [min-max] over rounds), images per second,
+and for ``fit`` and the hand loop the share of the epoch spent waiting for the loader (``data_fraction``): so a
+user sees whether a change of precision can matter for their input pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import logging
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+
+from precisionloop import Trainer, normalize_uint8
+from precisionloop.measure import format_ratio, format_time, paired_ratio
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, on the 0-1 scale
+IMAGE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--loader`` flag and the flags of its mode."""
+    g = p.add_argument_group("--loader", "fit over a DataLoader of synthetic in-memory images (torchvision models)")
+    g.add_argument("--loader", action="store_true",
+                   help="time fit, the resident step, a hand loop and the loader alone over a real DataLoader, "
+                        "per precision: ms/step, img/s and the share of time spent waiting for input")
+    g.add_argument("--images", type=int, default=None,
+                   help="synthetic images held in memory (default 2048 on CUDA, 4 batches of the largest size on the CPU)")
+    g.add_argument("--workers", type=int, default=None,
+                   help=f"DataLoader workers (default min(6, CPU count): {min(6, os.cpu_count() or 1)} here)")
+    g.add_argument("--pin-memory", choices=("both", "on", "off"), default=None,
+                   help="DataLoader pin_memory: both (the CUDA default), on, or off (the CPU's only choice)")
+    g.add_argument("--image-dtypes", default="float32,uint8",
+                   help="comma-separated among float32 (normalised on the host) and uint8 (normalised on the device "
+                        "by the Trainer's input_transform); default both")
+
+
+def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check the ``--loader`` flags and fill in their defaults; the mode's flags without ``--loader`` are refused."""
+    given = [f for f, v in (("--images", args.images), ("--workers", args.workers), ("--pin-memory", args.pin_memory))
+             if v is not None]
+    if not args.loader:
+        if given:
+            p.error(f"{', '.join(given)} only apply with --loader")
+        return
+    cuda = args.device.type == "cuda"
+    for flag, value in (("--model transformer", args.model == "transformer"), ("--distributed", args.distributed),
+                        ("--autotune", args.autotune), ("--compile", args.compile)):
+        if value:
+            p.error(f"--loader times eager steps of a torchvision model on one process; {flag} is not for it")
+    args.images = args.images if args.images is not None else (2048 if cuda else 4 * max(args.batch_sizes))
+    args.workers = args.workers if args.workers is not None else min(6, os.cpu_count() or 1)
+    if args.images < max(args.batch_sizes):
+        p.error(f"--images ({args.images}) must hold at least one batch of {max(args.batch_sizes)}")
+    if args.workers < 0:
+        p.error(f"--workers must be >= 0, got {args.workers}")
+    pin = args.pin_memory or ("both" if cuda else "off")
+    if pin != "off" and not cuda:
+        p.error(f"--pin-memory {pin}: pinned memory is for copies to CUDA; on {args.device} use off")
+    args.pin_memory = {"both": [True, False], "on": [True], "off": [False]}[pin]
+    args.image_dtypes = [s.strip() for s in args.image_dtypes.split(",") if s.strip()]
+    bad = [s for s in args.image_dtypes if s not in IMAGE_DTYPES]
+    if bad or not args.image_dtypes:
+        p.error(f"--image-dtypes takes float32 and/or uint8, got {','.join(args.image_dtypes) or 'none'}")
+
+
+class InMemoryImages(Dataset):
+    """Images and labels in memory; indexed by a list of indices (a ``BatchSampler``), it gathers a batch at once."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, indices):
+        return self.images[indices], self.labels[indices]
+
+
+def synthetic_images(n: int, size: int, dtype: torch.dtype, classes: int = 1000) -> InMemoryImages:
+    """Random uint8 images, or the same normalised to float32 on the host as a torchvision pipeline would."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+    if dtype == torch.float32:
+        images = normalize_uint8(MEAN, STD)(images)
+    return InMemoryImages(images, torch.randint(0, classes, (n,), generator=g))
+
+
+def make_loader(data: InMemoryImages, batch_size: int, workers: int, pin_memory: bool) -> DataLoader:
+    """A shuffling DataLoader of full batches; its workers live across epochs, so an epoch does not start them."""
+    sampler = BatchSampler(RandomSampler(data, generator=torch.Generator().manual_seed(1)), batch_size, drop_last=True)
+    return DataLoader(data, sampler=sampler, batch_size=None, num_workers=workers, pin_memory=pin_memory,
+                      persistent_workers=workers > 0)
+
+
+@dataclasses.dataclass
+class Row:
+    """One system over one loader: per-round ms per step, and the share of each round spent waiting for input."""
+
+    precision: str
+    batch_size: int
+    images: str
+    pin_memory: bool
+    system: str
+    steps: int
+    rounds_ms: list[float] = dataclasses.field(default_factory=list)
+    data_fractions: list[float] = dataclasses.field(default_factory=list)
+    noisy: bool = False
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.rounds_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.rounds_ms)
+
+    @property
+    def max_ms(self) -> float:
+        return max(self.rounds_ms)
+
+    @property
+    def img_per_s(self) -> float:
+        return 1000 * self.batch_size / self.median_ms
+
+    @property
+    def data_fraction(self) -> float | None:
+        return statistics.median(self.data_fractions) if self.data_fractions else None
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "median_ms": self.median_ms, "min_ms": self.min_ms, "max_ms": self.max_ms,
+                "img_per_s": self.img_per_s, "data_fraction": self.data_fraction}
+
+
+def _hand_loop(model: nn.Module, optimizer, loader: DataLoader, dtype: torch.dtype, device: torch.device,
+               memory_format: torch.memory_format, transform) -> Callable[[], float]:
+    """One epoch of the torch.amp loop a user writes, timing its own wait on the loader; returns that share."""
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+    def epoch() -> float:
+        began, waited, batches = time.perf_counter(), 0.0, iter(loader)
+        while True:
+            asked = time.perf_counter()
+            batch = next(batches, None)
+            waited += time.perf_counter() - asked
+            if batch is None:
+                break
+            inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+            inputs = (transform(inputs) if transform else inputs).contiguous(memory_format=memory_format)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = nn.functional.cross_entropy(model(inputs), targets)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        return waited / (time.perf_counter() - began)
+
+    return epoch
+
+
+def build_systems(bench, args, precision: str, batch_size: int, data: InMemoryImages, loader: DataLoader) -> dict:
+    """Each system's epoch: a function that runs it and returns the share spent waiting for input (or None)."""
+    device, cuda = args.device, args.device.type == "cuda"
+    policy = bench.policy_for(precision, args)
+    transform = normalize_uint8(MEAN, STD) if data.images.dtype == torch.uint8 else None
+    steps = len(loader)
+
+    def trainer() -> Trainer:
+        model = bench.make_model(args)
+        return Trainer(model, bench.make_optimizer(model.parameters(), args.fused, args.optimizer), policy,
+                       device=device, input_transform=transform)
+
+    def loader_alone() -> None:
+        for _ in loader:
+            pass
+
+    resident = trainer()
+    batch = resident.to_device(data[list(range(batch_size))])
+
+    def resident_step() -> None:
+        for _ in range(steps):
+            resident.step(batch)
+
+    hand = trainer()  # the hand loop runs on the Trainer's prepared model (its layout) with its own optimizer
+    hand_epoch = _hand_loop(hand.model, bench.make_optimizer(hand.model.parameters(), args.fused, args.optimizer),
+                            loader, policy.compute_dtype, device, policy.memory_format(hand.model), transform)
+    systems = {"loader alone": loader_alone, "resident step": resident_step, "hand loop": hand_epoch}
+    for name, feed in (("fit", True), ("fit, no feed", False)) if cuda else (("fit", True),):
+        fitted = trainer()
+        systems[name] = (lambda t=fitted, feed=feed:  # one more epoch each call
+                         t.fit(loader, epochs=t.epoch + 1, progress=False, device_feed=feed)[-1]["data_fraction"])
+    contexts = {"hand loop": policy.backend_flags}  # the Trainer sets the policy's flags itself; the loader needs none
+    return {name: (run, contexts.get(name, contextlib.nullcontext)) for name, run in systems.items()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_loader(bench, args, precision: str, batch_size: int, data: InMemoryImages, pin_memory: bool) -> list[Row]:
+    """Every system over one loader: an untimed epoch each, then ``args.rounds`` rounds of one timed epoch each."""
+    loader = make_loader(data, batch_size, args.workers, pin_memory)
+    systems = build_systems(bench, args, precision, batch_size, data, loader)
+    images = "uint8" if data.images.dtype == torch.uint8 else "float32"
+    rows = {name: Row(precision, batch_size, images, pin_memory, name, len(loader)) for name in systems}
+    order = list(systems)
+    for r in range(args.rounds + 1):  # round 0 warms every system up (cuDNN's choice, the workers, the caches)
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            run, context = systems[name]
+            _sync(args.device)
+            began = time.perf_counter()
+            with context():
+                fraction = run()
+            _sync(args.device)
+            if r:
+                rows[name].rounds_ms.append(1000 * (time.perf_counter() - began) / len(loader))
+                if fraction is not None:
+                    rows[name].data_fractions.append(fraction)
+    del systems, loader
+    gc.collect()  # the loader's workers end here, and the Trainers (held in cycles) free the device's memory
+    return list(rows.values())
+
+
+def format_rows(rows: list[Row]) -> str:
+    """A table per precision and batch size: a row per loader and system; then fit against its bounds and the feed."""
+    lines = []
+    for precision, batch_size in dict.fromkeys((r.precision, r.batch_size) for r in rows):
+        block = [r for r in rows if (r.precision, r.batch_size) == (precision, batch_size)]
+        lines += [f"\n{precision}, batch {batch_size} ({block[0].steps} steps an epoch), median [min-max] over rounds:",
+                  f"{'images':>7}  {'memory':>8}  {'system':<13} | {'ms/step':>24} | {'img/s':>7} | waiting for input"]
+        for r in block:
+            data = f"{r.data_fraction:.0%}" if r.data_fraction is not None else ""
+            lines.append(f"{r.images:>7}  {'pinned' if r.pin_memory else 'unpinned':>8}  {r.system:<13} | "
+                         f"{format_time(r):>24} | {r.img_per_s:>7.0f} | {data}")
+        lines += _versus(block)
+    return "\n".join(lines)
+
+
+def _versus(block: list[Row]) -> list[str]:
+    """fit over the hand loop, over its bound (the slower of the loader alone and the resident step), and the feed."""
+    lines = []
+    for images, pin in dict.fromkeys((r.images, r.pin_memory) for r in block):
+        got = {r.system: r for r in block if (r.images, r.pin_memory) == (images, pin)}
+        fit, hand = got["fit"], got["hand loop"]
+        bound = max(got["loader alone"], got["resident step"], key=lambda r: r.median_ms)
+        parts = [f"fit / hand loop {format_ratio(paired_ratio(fit, hand))}",
+                 f"fit / {bound.system} (the slower bound) {format_ratio(paired_ratio(fit, bound))}"]
+        if "fit, no feed" in got:
+            parts.append(f"feed on / off {format_ratio(paired_ratio(fit, got['fit, no feed']))}")
+        lines.append(f"  {images} {'pinned' if pin else 'unpinned'}: " + "; ".join(parts))
+    return lines
+
+
+def main(args: argparse.Namespace) -> list[Row]:
+    """Run the ``--loader`` mode of ``resnet18_bench`` with its parsed ``args``."""
+    from precisionloop.recipes import resnet18_bench as bench  # here: resnet18_bench imports this module
+
+    env = bench.environment(args.device)
+    print(f"precisionloop benchmark: {args.model} over a DataLoader, {env['date']}\n"
+          f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
+          f"{args.images} synthetic images {args.image_size}x{args.image_size} in memory, {args.workers} workers, "
+          f"{'fused ' if args.fused else ''}{bench.OPTIMIZERS[args.optimizer]}; {args.rounds} round(s) of one timed "
+          "epoch per system after an untimed one, the systems' order rotated each round")
+    for note in args.notes:
+        if not note.startswith("CPU run"):  # that one is about the step timing of the other mode
+            print(f"note: {note}")
+    if args.device.type != "cuda":
+        print("note: on the CPU the device feed does nothing, so fit runs once, without the no-feed twin")
+    rows: list[Row] = []
+    quiet = logging.getLogger("precisionloop.loop")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # fit's warning about the wait for input: the table gives the share itself
+    try:
+        for name in args.image_dtypes:
+            data = synthetic_images(args.images, args.image_size, IMAGE_DTYPES[name])
+            for precision in args.precisions:
+                for batch_size in args.batch_sizes:
+                    for pin in args.pin_memory:
+                        measured = measure_loader(bench, args, precision, batch_size, data, pin)
+                        rows += measured
+                        print(format_rows(measured), flush=True)  # each loader as it is done, the file too
+                        _write(args.json, env, args, rows)
+            del data
+    finally:
+        quiet.setLevel(level)
+    if args.json:
+        print(f"results written to {args.json}")
+    return rows
+
+
+def _write(path: str | None, env: dict, args: argparse.Namespace, rows: list[Row]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
+                       "loader": [r.to_dict() for r in rows]}, f, indent=2)
