@@ -170,6 +170,7 @@ def test_on_cuda_the_parts_fit_in_the_peak_and_the_reserve():
     assert parts <= got.peak_mb <= got.reserved_mb
     assert got.activations_and_workspace_mb == pytest.approx(got.peak_mb - parts)
     assert got.activations_and_workspace_mb > 0  # the activations of 64 x 1024 hidden values, at least
+    assert got.graph_pools_mb == 0  # eager: no CUDA graph, no private pool
 
 
 def test_pure_bf16_halves_the_parameters_and_gradients_and_keeps_bf16_adam_state():
@@ -200,7 +201,6 @@ def test_8bit_optimizer_state_counts_its_codes_scales_and_table(precision, scala
     quantized = 2 * (4096 + 4096 // 256 * 4 + 256 * 4)
     plain = 2 * (64 + 64 * 3 + 3) * scalar
     assert _bytes(trainer.memory_breakdown())["optimizer_state_mb"] == quantized + plain + 4 * 4
-    assert got.graph_pools_mb == 0  # eager: no CUDA graph, no private pool
 
 
 @pytest.mark.gpu

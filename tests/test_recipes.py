@@ -739,6 +739,8 @@ def test_max_batch_recovery_on_cuda_returns_the_allocator_to_its_baseline():
     assert fits(64) >= 4 * 64 and torch.cuda.memory_allocated(device) == baseline
     got = max_batch.search(fits, start=16, cap=1024, resolution=8)
     assert got.largest == 64 and got.smallest_failed == 72
+
+
 @pytest.mark.gpu
 def test_the_loader_mode_on_cuda_times_fit_with_and_without_the_feed_pinned_and_not(tmp_path):
     out = tmp_path / "loader.json"
