@@ -4,7 +4,7 @@ from .tuning import AutotuneResult, Candidate, autotune
 from .batches import normalize_uint8
 from .fp8 import FP8Policy
 from .memory import MemoryBreakdown, memory_breakdown
-from .policy import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy
+from .policy import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy
 from .precisions import get_policy
 from .trainer import StepResult, Trainer, TrainStats
 
@@ -12,6 +12,7 @@ __all__ = [
     "PrecisionPolicy",
     "FP32Policy",
     "BF16Policy",
+    "BF16PurePolicy",
     "FP16Policy",
     "FP8Policy",
     "get_policy",

@@ -22,7 +22,6 @@ from torch import nn
 
 from . import distributed as _dist
 from . import fp32_modules
-from .checks import check_master_weights
 from .policy import PrecisionPolicy
 from .precisions import get_policy
 from .prepare import compile_mode
@@ -301,7 +300,7 @@ def load_state(trainer, state: dict, source: str) -> None:
         policy = policy_from_record(state, trainer.device)  # its settings too: fp8 layers, keep_fp32
         mode = compile_mode(state.get("compile_mode"), trainer.device)  # as the saved run trained
         policy.check_model(trainer.model, trainer.device)  # what can fail, before the model changes
-        check_master_weights(trainer.model, policy.name, policy.compute_dtype)
+        policy.check_weights(trainer.model, trainer.optimizer)
         check_scaler(state, policy.make_guard(trainer.device.type), source)
         trainer._configure(policy, mode)
         trainer._autotune_compile = None
@@ -534,7 +533,9 @@ def _unwrap_tensor_subclasses(value: Any) -> Any:
         inner = getattr(value, name)
         if isinstance(inner, torch.Tensor) and inner.shape == value.shape and inner.dtype == value.dtype:
             return _unwrap_tensor_subclasses(inner)
-    raise ValueError(f"cannot save a {type(value).__name__} tensor as a plain tensor: no wrapped tensor of its shape")
+    raise ValueError(f"cannot save a {type(value).__name__} tensor as a plain tensor: no wrapped tensor of its shape. "
+                     "Quantized optimizer states (torchao's 8-bit, 4-bit and fp8 ones) cannot be checkpointed: "
+                     "to save and resume, train with an optimizer whose state is not quantized")
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict,

@@ -168,7 +168,9 @@ def check_master_weights(model: nn.Module, name: str, compute_dtype: torch.dtype
         raise ValueError(
             f"parameters {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} are not fp32; precision "
             f"{name!r} keeps fp32 master weights and runs low precision through autocast. "
-            "Call model.float() before building the Trainer")
+            "Call model.float() before building the Trainer; or, for bf16 weights with no fp32 master copy, "
+            "use precision='bf16-pure' with an optimizer that rounds its update stochastically, such as "
+            "torchao.optim._AdamW(params, bf16_stochastic_round=True)")
 
 
 def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

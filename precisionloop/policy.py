@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from . import _compat, fp32_modules
-from .checks import check_real
+from .checks import check_master_weights, check_real
 from .devices import check_device_support
 from .guard import FiniteGuard, GradientGuard, ScalerGuard
 
-__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "FP16Policy", "refuse_fp8_layers"]
+__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "BF16PurePolicy", "FP16Policy", "refuse_fp8_layers",
+           "rounds_stochastically"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,7 +27,7 @@ class PrecisionPolicy:
     """An immutable description of how a training step handles precision.
 
     The Trainer reaches a policy only through ``autocast``, ``make_guard`` (built
-    from ``make_scaler``), ``backend_flags``, ``check_model``, ``check_compile``, ``prepare_model``,
+    from ``make_scaler``), ``backend_flags``, ``check_model``, ``check_weights``, ``check_compile``, ``prepare_model``,
     ``check_sharding`` and ``prepare_sharding`` (FSDP2 only), ``optimizer_step_hook`` and ``memory_format``,
     plus the attributes ``name``, ``compute_dtype`` and ``keep_fp32``. Subclass it (or
     one of the concrete policies) to support custom hardware.
@@ -116,6 +117,16 @@ class PrecisionPolicy:
         fp32_modules.select_modules(inner, self.keep_fp32)  # names as inside a wrapper, as the Trainer wraps
         refuse_fp8_layers(inner)
 
+    def check_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Raise, before anything changes, if the parameters' dtypes (or the optimizer) do not suit this policy.
+
+        The default wants fp32 master weights: precision comes down through autocast only.
+
+        Raises:
+            ValueError: a floating-point parameter is not fp32 (the message names the parameters).
+        """
+        check_master_weights(model, self.name, self.compute_dtype)
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Check that the model's device supports this policy, convert its layout, keep ``keep_fp32`` modules fp32.
 
@@ -184,6 +195,90 @@ class BF16Policy(PrecisionPolicy):
 
     name: ClassVar[str] = "bf16"
     compute_dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BF16PurePolicy(BF16Policy):
+    """bf16 weights, gradients and optimizer update, with no fp32 master copy; ``keep_fp32`` modules stay fp32.
+
+    ``prepare_model`` casts the floating-point parameters and buffers of every module that ``keep_fp32``
+    does not keep to bf16, in place (the optimizer keeps its parameters). A bf16 weight rounded to nearest
+    loses every update smaller than half its last bit, so the optimizer must round its update
+    stochastically: it must say so with ``bf16_stochastic_round = True``, as torchao's optimizers do
+    (``torchao.optim._AdamW(params, bf16_stochastic_round=True)``, ``AdamW8bit(..., bf16_stochastic_round=True)``).
+    Autocast stays on, so the ops autocast keeps in fp32 (softmax, the losses) still run in fp32.
+
+    Example:
+        >>> import torch
+        >>> from precisionloop import get_policy
+        >>> get_policy("bf16-pure").name
+        'bf16-pure'
+    """
+
+    name: ClassVar[str] = "bf16-pure"
+
+    def check_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Raise unless the parameters are fp32 or bf16 and the optimizer rounds its update stochastically.
+
+        Raises:
+            ValueError: a parameter of another floating dtype, or an optimizer that does not declare
+                ``bf16_stochastic_round = True``.
+        """
+        bad = [f"{n} ({p.dtype})" for n, p in model.named_parameters()
+               if p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16)]
+        if bad:
+            raise ValueError(f"parameters {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} are neither fp32 nor "
+                             f"bf16; precision {self.name!r} casts fp32 weights to bf16 itself: call model.float() first")
+        if isinstance(model, nn.parallel.DistributedDataParallel):  # used as it is: prepare_model does not cast it
+            kept = {id(p) for _, m in fp32_modules.select_modules(_inner(model.module), self.keep_fp32)
+                    for p in m.parameters()}
+            fp32 = [n for n, p in model.module.named_parameters() if p.dtype == torch.float32 and id(p) not in kept]
+            if fp32:
+                raise ValueError(f"the model you wrapped in DDP has fp32 parameters ({', '.join(fp32[:5])}"
+                                 f"{' ...' if len(fp32) > 5 else ''}), and precision {self.name!r} casts only a model "
+                                 "it wraps itself: pass the model unwrapped (the Trainer wraps it), or cast it to "
+                                 "bf16 before wrapping it")
+        if not rounds_stochastically(optimizer):
+            raise ValueError(
+                f"precision {self.name!r} trains bf16 weights with no fp32 master copy, so the optimizer must round "
+                f"its update stochastically, and {type(optimizer).__name__} does not say it does "
+                "(bf16_stochastic_round = True): a bf16 weight rounded to nearest loses updates smaller than half its "
+                "last bit. Use torchao.optim._AdamW(params, bf16_stochastic_round=True) (or AdamW8bit with it), "
+                "or precision='bf16', which keeps fp32 master weights")
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """As :meth:`PrecisionPolicy.prepare_model`, then the floating parameters and buffers outside ``keep_fp32`` to bf16.
+
+        Raises:
+            ValueError: as :meth:`PrecisionPolicy.prepare_model`.
+        """
+        model = super().prepare_model(model)
+        cast_outside_kept_(_inner(model), self.keep_fp32, self.compute_dtype)
+        return model
+
+
+def rounds_stochastically(optimizer: object) -> bool:
+    """Whether an optimizer declares that it rounds its bf16 updates stochastically (``bf16_stochastic_round``)."""
+    return getattr(optimizer, "bf16_stochastic_round", False) is True
+
+
+def cast_outside_kept_(model: nn.Module, keep_fp32: tuple, dtype: torch.dtype) -> None:
+    """Cast the floating parameters and buffers of the modules ``keep_fp32`` does not keep to ``dtype``, in place.
+
+    A parameter keeps its identity (its ``data`` is replaced, as ``Module.to`` does), so an optimizer built on
+    it still holds it; float64 buffers are cast too, as ``Module.to`` would cast them.
+    """
+    kept = {id(m) for _, outer in fp32_modules.select_modules(model, keep_fp32) for m in outer.modules()}
+    with torch.no_grad():
+        for module in model.modules():
+            if id(module) in kept:
+                continue
+            for p in module.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            for name, b in module.named_buffers(recurse=False):
+                if b.is_floating_point() and b.dtype != dtype:
+                    setattr(module, name, b.to(dtype))  # a registered buffer stays one, persistent or not
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ import torch
 from . import _compat
 from .devices import cuda_bf16_native, parse_device, resolve_device
 from .fp8 import FP8Policy
-from .policy import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy
+from .policy import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy
 
 __all__ = ["PRECISIONS", "get_policy", "is_auto"]
 
@@ -21,12 +21,14 @@ PRECISIONS: dict[str, Callable[[], PrecisionPolicy]] = {
     "fp32": lambda: FP32Policy(tf32=False),
     "tf32": lambda: FP32Policy(tf32=True),
     "bf16": BF16Policy,
+    "bf16-pure": BF16PurePolicy,
     "fp16": FP16Policy,
     "fp8": FP8Policy,
 }
 _ALIASES = {
     "float32": "fp32", "32": "fp32", "32-true": "fp32", "full": "fp32",
     "bfloat16": "bf16", "bf16-mixed": "bf16",
+    "pure-bf16": "bf16-pure",
     "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16",
     "float8": "fp8", "8": "fp8",
 }
@@ -37,9 +39,9 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | to
     """Turn a precision spec into a policy.
 
     Args:
-        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``,
-            ``"auto"``, an alias (float32, bfloat16, float16, half, float8, 32, 16, 8, and
-            Lightning's ``"bf16-mixed"``/``"16-mixed"``/``"32-true"``), a torch
+        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"bf16-pure"`` (bf16 weights, no
+            fp32 master copy), ``"fp16"``, ``"fp8"``, ``"auto"``, an alias (float32, bfloat16, float16, half,
+            float8, 32, 16, 8, pure-bf16, and Lightning's ``"bf16-mixed"``/``"16-mixed"``/``"32-true"``), a torch
             dtype, or a policy instance, which is returned unchanged.
         device: the device that ``"auto"`` chooses for; the current CUDA device
             or the CPU when ``None``.

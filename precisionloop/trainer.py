@@ -50,7 +50,7 @@ def _forwarded(owner: str, name: str, doc: str, settable: bool = True) -> proper
 
 
 class Trainer:
-    """Trains a model with fp32 master weights under a precision policy.
+    """Trains a model under a precision policy: fp32 master weights, or bf16 ones under ``"bf16-pure"``.
 
     Args:
         model: the model; it is moved to ``device`` and passed through ``policy.prepare_model``.
@@ -80,7 +80,7 @@ class Trainer:
 
     Raises:
         ValueError: bad arguments, an optimizer that does not hold exactly the model's trainable
-            parameters, parameters that are not fp32, or a device that cannot run the precision.
+            parameters, weights or an optimizer the policy refuses (``check_weights``), or a device that cannot run it.
 
     Example:
         >>> import torch
@@ -115,7 +115,7 @@ class Trainer:
         policy.check_model(model, self.device)
         if self.distributed == "fsdp":
             policy.check_sharding(model, self.device)
-        checks.check_master_weights(model, policy.name, policy.compute_dtype)
+        policy.check_weights(model, optimizer)
         checks.check_optimizer_params(model, optimizer)
         _dist.check_optimizer(optimizer, self.distributed)
         mode = compile_mode(compile, self.device)
@@ -149,7 +149,7 @@ class Trainer:
         guard = policy.make_guard(self.device.type)
         if prepare:
             policy.check_compile(mode, self.device.type)
-            checks.check_master_weights(model, policy.name, policy.compute_dtype)
+            policy.check_weights(model, self.optimizer)
             model, input_format = prepare_model(model, policy, mode, self.distributed, self.device, self.optimizer)
             guard = _dist.adapt_guard(guard, self.distributed, self.device.type)
         self.model, self._input_format, self.policy, self.compile_mode = model, input_format, policy, mode

@@ -239,3 +239,15 @@ def _scheduled(interval, gamma=0.5):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma)
     return Trainer(model, opt, "fp32", device="cpu", scheduler=sched, scheduler_interval=interval)
+
+
+def stochastic_adamw(params, lr=1e-2, **kw):
+    """torchao's AdamW rounding bf16 updates stochastically, the optimizer precision 'bf16-pure' asks for."""
+    optim = pytest.importorskip("torchao.optim")
+    return optim._AdamW(params, lr=lr, bf16_stochastic_round=True, **kw)
+
+
+def pure_bf16(model=None, **kw):
+    """A Trainer under precision 'bf16-pure' on ``net()`` (or ``model``) with torchao's stochastic-rounding AdamW."""
+    model = net() if model is None else model
+    return model, Trainer(model, stochastic_adamw(model.parameters()), "bf16-pure", device="cpu", **kw)

@@ -344,6 +344,9 @@ def test_bad_input_at_construction():
         Trainer(half, torch.optim.SGD(half.parameters(), lr=0.1), device="cpu")
     with pytest.raises(ValueError, match="'fp4'"):
         Trainer(model, opt, "fp4", device="cpu")
+    bf16 = tiny_mlp().bfloat16()
+    with pytest.raises(ValueError, match=r"0.weight \(torch.bfloat16\).*precision='bf16-pure'.*bf16_stochastic_round=True"):
+        Trainer(bf16, torch.optim.AdamW(bf16.parameters()), "bf16", device="cpu")
     for kwargs, key in [(dict(grad_accum_steps=0), "grad_accum_steps"), (dict(grad_accum_steps=1.5), "grad_accum_steps"),
                         (dict(max_consecutive_skips=0), "max_consecutive_skips"), (dict(max_grad_norm=-1.0), "max_grad_norm"),
                         (dict(device="tpu9"), "device")]:
@@ -454,3 +457,38 @@ def test_bad_fit_arguments_are_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_every"):
         trainer.fit(batches(2), progress=False, checkpoint_dir=tmp_path)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pure_bf16_refuses_an_optimizer_that_rounds_to_nearest_before_changing_anything(dtype):
+    model = tiny_mlp().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = params_of(model)
+    with pytest.raises(ValueError, match=r"'bf16-pure'.*AdamW does not say.*bf16_stochastic_round = True.*"
+                                         r"torchao.optim._AdamW\(params, bf16_stochastic_round=True\)"):
+        Trainer(model, opt, "bf16-pure", device="cpu")
+    assert all(p.dtype == dtype for p in model.parameters()) and same_params(model, before)
+
+
+def test_pure_bf16_refuses_fp16_weights():
+    model = tiny_mlp().half()
+    opt = torch.optim.AdamW(model.parameters())
+    opt.bf16_stochastic_round = True  # the declaration alone: the weights are refused first
+    with pytest.raises(ValueError, match=r"0.weight \(torch.float16\).*neither fp32 nor bf16.*model.float\(\)"):
+        Trainer(model, opt, "bf16-pure", device="cpu")
+
+
+def test_pure_bf16_refuses_a_ddp_model_of_fp32_weights_it_would_not_cast(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = tiny_mlp()
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters())
+        opt.bf16_stochastic_round = True
+        with pytest.raises(ValueError, match=r"wrapped in DDP has fp32 parameters \(0.weight, 0.bias.*unwrapped"):
+            get_policy("bf16-pure").check_weights(wrapped, opt)
+        model.bfloat16()
+        get_policy("bf16-pure").check_weights(wrapped, opt)  # cast before wrapping: accepted
+    finally:
+        dist.destroy_process_group()

@@ -24,7 +24,8 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from conftest import B, X, Y, _params, _scheduled, _trainer, batch, batches, dataset, make_trainer, mk, opt_state, params_of, same_models, same_params, same_state, seed_all, tiny_mlp
+from conftest import (B, X, Y, _params, _scheduled, _trainer, batch, batches, dataset, make_trainer, mk, opt_state, params_of,
+                      net, pure_bf16, same_models, same_params, same_state, seed_all, tiny_mlp)
 
 from precisionloop import Trainer
 from precisionloop.guard import fuse_default_optimizer
@@ -685,3 +686,32 @@ def test_a_load_forgets_the_replaced_runs_last_loss(tmp_path):
     assert trainer.engine.last_loss is not None
     trainer.load(tmp_path / "one.pt")
     assert trainer.engine.last_loss is None  # the progress bar shows "-" until this run books a step
+
+
+def test_pure_bf16_saves_bf16_weights_that_resume_exactly_and_load_into_an_fp32_model(tmp_path):
+    model, trainer = pure_bf16()
+    for seed in (1, 2):
+        trainer.step(batch(seed))
+    trainer.save(tmp_path / "pure.pt")
+    saved = torch.load(tmp_path / "pure.pt", weights_only=True)
+    assert {v.dtype for v in saved["model"].values()} == {torch.bfloat16}  # the training dtype, no fp32 copy
+    assert saved["precision"] == "bf16-pure"
+    trainer.step(batch(3))  # stochastic rounding draws random numbers: the checkpoint's RNG state replays them
+    resumed_model, resumed = pure_bf16()
+    resumed.load(tmp_path / "pure.pt")
+    resumed.step(batch(3))
+    assert same_models(model, resumed_model) and same_state(opt_state(trainer.optimizer), opt_state(resumed.optimizer))
+    fp32 = net()
+    fp32.load_state_dict(saved["model"])  # torch casts each bf16 tensor to the fp32 parameter's dtype, exactly
+    assert all(p.dtype == torch.float32 and torch.equal(p, saved["model"][n].float()) for n, p in fp32.named_parameters())
+
+
+def test_8bit_optimizer_states_are_refused_at_save_and_no_file_is_written(tmp_path):
+    optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    trainer = Trainer(model, optim.AdamW8bit(model.parameters(), lr=1e-3), "bf16", device="cpu")
+    trainer.step((torch.randn(4, 64), torch.tensor([0, 1, 2, 0])))
+    with pytest.raises(ValueError, match="OptimState8bit.*Quantized optimizer states .*cannot be checkpointed"):
+        trainer.save(tmp_path / "q.pt")
+    assert list(tmp_path.iterdir()) == []

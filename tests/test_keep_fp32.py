@@ -16,7 +16,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from torch import nn
-from conftest import ProbeNorm
+from conftest import B, ProbeNorm, stochastic_adamw
 
 from precisionloop import BF16Policy, FP16Policy, Trainer, get_policy
 from precisionloop.fp32_modules import is_kept, keep_fp32_, select_modules, validate_keep_fp32
@@ -605,3 +605,18 @@ def test_modules_kept_by_an_earlier_policy_are_released():
     assert is_kept(model[1])
     Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), BF16Policy(), device="cpu")
     assert not is_kept(model[1]) and "forward" not in model[1].__dict__
+
+
+def test_pure_bf16_keeps_the_kept_modules_fp32_and_casts_the_rest_to_bf16():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Sequential(nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 3))
+    policy = dataclasses.replace(get_policy("bf16-pure"), keep_fp32=(nn.LayerNorm, "2"))
+    trainer = Trainer(model, stochastic_adamw(model.parameters()), policy, device="cpu")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert trainer.step(B).stepped
+    dtypes = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}
+    fp32 = {n for n, d in dtypes.items() if d == torch.float32}
+    assert fp32 == {"1.weight", "1.bias", "2.0.weight", "2.0.bias", "2.0.running_mean", "2.0.running_var"}
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if n not in fp32)
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())  # fp32 and bf16 ones both trained
+    assert is_kept(model[1]) and is_kept(model[2]) and not is_kept(model[0])

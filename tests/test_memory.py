@@ -173,6 +173,36 @@ def test_on_cuda_the_parts_fit_in_the_peak_and_the_reserve():
     assert got.graph_pools_mb == 0  # eager: no CUDA graph, no private pool
 
 
+def test_pure_bf16_halves_the_parameters_and_gradients_and_keeps_bf16_adam_state():
+    optim = pytest.importorskip("torchao.optim")
+    model = nn.Linear(16, 8)
+    trainer = Trainer(model, optim._AdamW(model.parameters(), lr=1e-3, bf16_stochastic_round=True), "bf16-pure",
+                      device="cpu", distributed=None, grad_accum_steps=2)
+    for _ in range(3):
+        trainer.step(BATCH)
+    # 136 parameters in bf16 (2 bytes each): weights 272 bytes, gradients 272. torchao's AdamW keeps exp_avg and
+    # exp_avg_sq in the parameter's dtype (2 x 272) and a float32 step scalar per parameter (2 x 4).
+    bf16 = LINEAR_BYTES // 2  # 272
+    assert _bytes(trainer.memory_breakdown()) == {"parameters_mb": bf16, "buffers_mb": 0, "gradients_mb": bf16,
+                                                  "optimizer_state_mb": 2 * bf16 + 2 * 4}
+
+
+@pytest.mark.parametrize("precision, scalar", [("bf16", 4), ("bf16-pure", 2)])
+def test_8bit_optimizer_state_counts_its_codes_scales_and_table(precision, scalar):
+    optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    opt = optim.AdamW8bit(model.parameters(), lr=1e-3, bf16_stochastic_round=precision == "bf16-pure")
+    trainer = Trainer(model, opt, precision, device="cpu", distributed=None)
+    trainer.step((torch.randn(4, 64), torch.tensor([0, 1, 2, 0])))
+    # The 4096-element weight's two moments are 8-bit: one byte per element, an fp32 scale per block of 256 and
+    # a 256-entry fp32 code table each. The smaller tensors' moments are plain, in the parameter's dtype
+    # (`scalar` bytes); each of the four parameters has a float32 step.
+    quantized = 2 * (4096 + 4096 // 256 * 4 + 256 * 4)
+    plain = 2 * (64 + 64 * 3 + 3) * scalar
+    assert _bytes(trainer.memory_breakdown())["optimizer_state_mb"] == quantized + plain + 4 * 4
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_graph_pools_of_reduce_overhead_are_counted_in_the_reserve():
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from conftest import batches, count_flag_writes, read_flags, tf32_flags, tiny_cnn, tiny_mlp, write_flags
+from conftest import B, batches, count_flag_writes, pure_bf16, read_flags, tf32_flags, tiny_cnn, tiny_mlp, write_flags
 
 import precisionloop
-from precisionloop import BF16Policy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, _compat, checkpoint, devices, get_policy, policy as policy_mod, precisions
+from precisionloop import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, _compat, checkpoint, devices, get_policy, policy as policy_mod, precisions
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -26,6 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWar
         (torch.float32, "fp32"),
         ("tf32", "tf32"), ("TF32", "tf32"),
         ("bf16", "bf16"), ("BFloat16", "bf16"), ("bf16-mixed", "bf16"), (torch.bfloat16, "bf16"),
+        ("bf16-pure", "bf16-pure"), (" BF16-Pure ", "bf16-pure"), ("pure-bf16", "bf16-pure"),
         ("fp16", "fp16"), ("float16", "fp16"), ("half", "fp16"), ("HALF", "fp16"), ("16", "fp16"), (16, "fp16"),
         ("16-mixed", "fp16"), (torch.float16, "fp16"),
     ],
@@ -42,6 +43,9 @@ def test_table_semantics():
     assert get_policy("fp16").compute_dtype == torch.float16 and get_policy("fp16").tf32
     assert get_policy("fp16").make_scaler("cpu").get_scale() == 2.0**16
     assert get_policy("bf16").make_scaler("cpu") is None and get_policy("fp32").make_scaler("cpu") is None
+    pure = get_policy("bf16-pure")
+    assert type(pure) is BF16PurePolicy and pure.compute_dtype == torch.bfloat16 and pure.make_scaler("cpu") is None
+    assert pure != get_policy("bf16")  # another precision, not a setting of bf16's
 
 
 def test_instance_passes_through():
@@ -564,3 +568,28 @@ def test_auto_picks_bf16_on_a_native_bf16_gpu():
         pytest.skip("this GPU has no native bf16")
     policy = get_policy("auto", "cuda")
     assert isinstance(policy, BF16Policy) and "compute capability" in policy.note
+
+
+def test_pure_bf16_trains_bf16_weights_and_gradients():
+    model, trainer = pure_bf16()
+    before = [p.detach().clone() for p in model.parameters()]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # cast in place at construction
+    grads = []
+    trainer.engine.probe = lambda step: grads.extend(p.grad.dtype for p in model.parameters())
+    assert trainer.step(B).stepped
+    assert grads == [torch.bfloat16] * len(before)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert {s["exp_avg"].dtype for s in trainer.optimizer.state.values()} == {torch.bfloat16}
+    assert trainer.policy.name == "bf16-pure" and trainer.stats.steps == 1
+
+
+def test_pure_bf16_rounds_updates_too_small_for_bf16_into_the_weights_on_average():
+    # An update of 1/16 of a bf16 step at 1.0 is lost by round-to-nearest; stochastic rounding keeps it on average.
+    optim = pytest.importorskip("torchao.optim")
+    weight = nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    opt = optim._AdamW([weight], lr=2.0**-7 / 16, betas=(0.0, 0.0), eps=0.0, weight_decay=0.0, bf16_stochastic_round=True)
+    for _ in range(8):
+        weight.grad = torch.ones_like(weight)  # Adam's step is lr * sign(grad) with these betas
+        opt.step()
+    assert abs(weight.float().mean().item() - (1 - 8 * 2.0**-7 / 16)) < 2.0**-9

@@ -1,10 +1,12 @@
 """The recipes and benchmark scripts: tiny runs on the CPU, their argument checks, and the CUDA benchmark."""
 
 import json
+import weakref
 
 import pytest
+import torch
 
-from precisionloop.recipes import resnet18_bench
+from precisionloop.recipes import max_batch, resnet18_bench
 
 
 TINY = ["--batch-sizes", "2,3", "--iters", "2", "--warmup", "1", "--image-size", "32", "--device", "cpu"]
@@ -586,6 +588,157 @@ def test_benchmark_recipe_on_cuda(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert {r["precision"] for r in results} == {"fp32", "tf32", "bf16", "fp16"}
     assert all(r["peak_mb"] > 0 and r["median_ms"] > 0 and r["error"] is None for r in results)
+
+
+# --max-batch: the search against a fake "fits", the recovery against a fake allocator and fake out-of-memory errors.
+
+def _fits_below(limit, peak_per_item=2.0, seen=None):
+    def fits(batch):
+        if seen is not None:
+            seen.append(batch)
+        return batch * peak_per_item if batch <= limit else None
+    return fits
+
+
+@pytest.mark.parametrize("limit", [1, 7, 8, 63, 64, 65, 100, 1000, 2047])
+def test_max_batch_search_finds_the_largest_fit_to_the_resolution(limit):
+    seen = []
+    got = max_batch.search(_fits_below(limit, seen=seen), start=64, cap=4096, resolution=8)
+    best = limit if limit < 8 else limit // 8 * 8  # bisected batches are multiples of 8; start and cap as they are
+    if limit >= 64:
+        best = max(best, 64)
+    assert got.largest == (best if best >= 8 or limit >= 64 else None)
+    assert got.stopped == "resolved" and got.smallest_failed > (got.largest or 0)
+    assert (got.smallest_failed - (got.largest or 0)) <= 8
+    assert got.peak_mb == (None if got.largest is None else 2.0 * got.largest)
+    assert [b for b, _ in got.tries] == seen and len(set(seen)) == len(seen)  # no batch tried twice
+    assert seen[0] == 64 and all(b <= 4096 for b in seen)
+
+
+def test_max_batch_search_doubles_then_bisects_and_stops_at_the_cap():
+    got = max_batch.search(_fits_below(700), start=64, cap=4096, resolution=16)
+    assert got.tries == ((64, True), (128, True), (256, True), (512, True), (1024, False), (768, False),
+                         (640, True), (704, False), (672, True), (688, True))
+    assert got.largest == 688 and got.smallest_failed == 704
+    capped = max_batch.search(_fits_below(10**6), start=64, cap=1000, resolution=8)
+    assert capped.stopped == "cap" and capped.largest == 1000 and capped.tries[-1] == (1000, True)
+    assert max_batch.describe(capped) == ">= 1000 (the cap)"
+
+
+def test_max_batch_search_stops_at_its_time_limit():
+    ticks = iter(range(100))
+    got = max_batch.search(_fits_below(700), start=64, cap=4096, resolution=16, seconds=2.5, clock=lambda: next(ticks))
+    assert got.stopped == "time" and got.largest == 256 and len(got.tries) == 3
+    assert max_batch.describe(got) == ">= 256 (time limit)"
+
+
+@pytest.mark.parametrize("bad", [dict(start=0), dict(cap=32, start=64), dict(resolution=0), dict(start=1.5)])
+def test_max_batch_search_refuses_sizes_that_make_no_search(bad):
+    with pytest.raises(ValueError):
+        max_batch.search(_fits_below(10), **{"start": 64, "cap": 4096, "resolution": 8, **bad})
+
+
+class _FakeDevice:
+    """An allocator whose allocated bytes are those of the live _Block objects; the cache and the peak are counted."""
+
+    def __init__(self):
+        self.blocks = weakref.WeakSet()
+        self.emptied = self.resets = 0
+        self.allocator = max_batch.Allocator(lambda: sum(b.size for b in self.blocks), self._empty, self._reset)
+
+    def _empty(self):
+        self.emptied += 1
+
+    def _reset(self):
+        self.resets += 1
+
+    def block(self, size):
+        block = _Block(size)
+        self.blocks.add(block)
+        return block
+
+
+class _Block:
+    def __init__(self, size):
+        self.size = size
+
+
+def test_max_batch_recovery_drops_what_a_failed_try_held_in_its_frames_and_cycles():
+    device = _FakeDevice()
+    kept = device.block(5)  # allocated before the search: the baseline
+
+    def run(batch):
+        activations = [device.block(1) for _ in range(batch)]  # held by this frame, then by the traceback
+        cycle = {"block": device.block(3)}
+        cycle["self"] = cycle  # freed only by the garbage collector
+        if batch > 4:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory at batch {batch}")
+        return float(len(activations))
+
+    fits = max_batch.recovering(run, device.allocator)
+    assert fits(4) == 4.0 and fits(5) is None and fits(3) == 3.0
+    assert device.allocator.allocated() == 5 and kept.size == 5
+    assert device.emptied == device.resets == 4  # before the first try, then after each
+    got = max_batch.search(fits, start=1, cap=64, resolution=1)
+    assert got.largest == 4 and got.smallest_failed == 5
+
+
+def test_max_batch_recovery_raises_when_a_try_leaves_memory_behind_and_passes_other_errors():
+    device = _FakeDevice()
+    leaked = []
+
+    def run(batch):
+        leaked.append(device.block(batch))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError, match="7.0 MB is still allocated after the try at batch 7 .out of memory."):
+        max_batch.recovering(run, max_batch.Allocator(lambda: sum(b.size for b in device.blocks) * 2**20,
+                                                      lambda: None, lambda: None))(7)
+
+    def broken(batch):
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        max_batch.recovering(broken, _FakeDevice().allocator)(1)
+    assert max_batch.recovering(lambda b: (_ for _ in ()).throw(RuntimeError("CUDNN_STATUS_ALLOC_FAILED")),
+                                _FakeDevice().allocator)(1) is None
+
+
+def test_max_batch_is_refused_off_cuda_with_a_clear_message(capsys):
+    with pytest.raises(SystemExit):
+        resnet18_bench.parse_args(["--device", "cpu", "--max-batch"])
+    assert "--max-batch searches for the largest batch that fits in a CUDA GPU's memory" in capsys.readouterr().err
+
+
+def test_max_batch_table_names_each_precision_its_batch_and_peak():
+    args = resnet18_bench.parse_args(["--device", "cpu"])
+    results = {"fp32": max_batch.search(_fits_below(100), 64, 4096, 8), "bf16": max_batch.search(_fits_below(10**5), 64, 256, 8),
+               "fp16": "error: 3.0 MB is still allocated after the try at batch 8"}
+    text = max_batch.format_table(results, args)
+    assert "96 (< 104)" in text and "192" in text and ">= 256 (the cap)" in text and "512" in text
+    assert "fp16 | error: 3.0 MB is still allocated" in text
+    assert "search time in all" in text
+    assert "max_batch" in vars(args) and args.max_batch is False
+
+
+@pytest.mark.gpu
+def test_max_batch_recovery_on_cuda_returns_the_allocator_to_its_baseline():
+    device = torch.device("cuda")
+    allocator = max_batch.cuda_allocator(device)
+
+    def run(batch):
+        held = [torch.empty(batch * 2**20, dtype=torch.uint8, device=device) for _ in range(4)]  # 4 x batch MB
+        if batch > 64:
+            torch.empty(2**50, dtype=torch.uint8, device=device)  # a petabyte: out of memory, with `held` in the frame
+        assert sum(t.numel() for t in held) == 4 * batch * 2**20
+        return torch.cuda.max_memory_allocated(device) / 2**20
+
+    fits = max_batch.recovering(run, allocator)
+    baseline = torch.cuda.memory_allocated(device)
+    assert fits(128) is None and torch.cuda.memory_allocated(device) == baseline
+    assert fits(64) >= 4 * 64 and torch.cuda.memory_allocated(device) == baseline
+    got = max_batch.search(fits, start=16, cap=1024, resolution=8)
+    assert got.largest == 64 and got.smallest_failed == 72
 
 
 @pytest.mark.gpu

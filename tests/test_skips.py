@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from conftest import B, batch, batches, mk, net, params_of, same_models, same_params, same_state, steps_without_host_sync, tiny_mlp, unfrozen_late
+from conftest import (B, batch, batches, mk, net, opt_state, params_of, pure_bf16, same_models, same_params, same_state,
+                      steps_without_host_sync, tiny_mlp, unfrozen_late)
 
 from precisionloop import BF16Policy, FP16Policy, Trainer
 from precisionloop.guard import FiniteGuard, ScalerGuard, fuse_default_optimizer
@@ -785,3 +786,67 @@ def test_default_optimizer_fused_equals_torch_fused():
         ta.step(batch)
         tb.step(batch)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_pure_bf16_skips_a_non_finite_step_with_weights_and_optimizer_state_unchanged(value):
+    model, trainer = pure_bf16(scheduler=None)
+    poison = Poison(model[0].weight, value)
+    trainer.step(B)  # the optimizer state exists from here on
+    weights, state = copy.deepcopy(model.state_dict()), opt_state(trainer.optimizer)
+    poison.armed = True
+    result = trainer.step(batch(2))
+    assert result.skipped and not result.stepped
+    assert all(torch.equal(v, weights[k]) and v.dtype == torch.bfloat16 for k, v in model.state_dict().items())
+    assert same_state(opt_state(trainer.optimizer), state), "the optimizer state changed on a skipped step"
+    poison.armed = False
+    assert trainer.step(batch(3)).stepped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert trainer.stats.skipped == 1 and trainer.stats.steps == 3
+
+
+@pytest.mark.gpu
+def test_cuda_pure_bf16_skips_a_non_finite_step_with_weights_and_optimizer_state_unchanged():
+    model = net()
+    poison = Poison(model[0].weight)
+    optim = pytest.importorskip("torchao.optim")
+    trainer = Trainer(model, optim._AdamW(model.parameters(), lr=1e-2, bf16_stochastic_round=True), "bf16-pure",
+                      device="cuda")
+    trainer.step(B)
+    weights, state = copy.deepcopy(model.state_dict()), opt_state(trainer.optimizer)
+    poison.armed = True
+    assert trainer.step(batch(2)).skipped
+    assert all(torch.equal(v, weights[k]) and v.dtype == torch.bfloat16 and v.is_cuda for k, v in model.state_dict().items())
+    assert same_state(opt_state(trainer.optimizer), state)
+    poison.armed = False
+    assert trainer.step(batch(3)).stepped and trainer.stats.skipped == 1
+    assert all(torch.isfinite(p).all() and not torch.equal(p, weights[n]) for n, p in model.named_parameters())
+
+
+def _plain_state(optimizer):
+    """Every state tensor as plain copies: an 8-bit state (torchao's OptimState8bit) as its codes and scales."""
+    def plain(value):
+        if hasattr(value, "__tensor_flatten__") and type(value) is not torch.Tensor:
+            return tuple(getattr(value, name).clone() for name in value.__tensor_flatten__()[0])
+        return value.clone() if isinstance(value, torch.Tensor) else value
+    return [{k: plain(v) for k, v in s.items()} for s in optimizer.state.values()]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
+def test_8bit_optimizer_states_keep_the_skip_guarantee(precision):
+    optim = pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))  # 4096 weights: torchao quantizes them
+    poison = Poison(model[2].weight, float("nan"))
+    opt = optim.AdamW8bit(model.parameters(), lr=1e-2, bf16_stochastic_round=precision == "bf16-pure")
+    trainer = Trainer(model, opt, precision, device="cpu")
+    data = [(torch.randn(4, 64, generator=torch.Generator().manual_seed(i)), torch.tensor([0, 1, 2, 0])) for i in range(3)]
+    trainer.step(data[0])
+    assert type(opt.state[model[0].weight]["exp_avg"]).__name__ == "OptimState8bit"
+    weights, state = copy.deepcopy(model.state_dict()), _plain_state(opt)
+    poison.armed = True
+    assert trainer.step(data[1]).skipped
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert same_state(_plain_state(opt), state), "the 8-bit state changed on a skipped step"
+    poison.armed = False
+    assert trainer.step(data[2]).stepped and not same_state(_plain_state(opt), state)

@@ -42,7 +42,7 @@ from precisionloop.tuning import default_candidates, tunable_precisions
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
                                    noisy_legend, paired_ratio, reset_memory)
 from precisionloop.policy import PrecisionPolicy
-from precisionloop.recipes import loader_bench, models, timing
+from precisionloop.recipes import loader_bench, max_batch, models, timing
 from precisionloop.recipes.memory_report import format_memory_table, memory_legend
 
 ALL_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -357,6 +357,7 @@ def _parser() -> argparse.ArgumentParser:
     for name in TRANSFORMER_SIZES:
         t.add_argument("--" + name.replace("_", "-"), type=int, default=None, dest=name,
                        help=f"default {models.REFERENCE[name]} on CUDA, {models.TINY[name]} on the CPU")
+    max_batch.add_arguments(p)
     return p
 
 
@@ -393,6 +394,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         _image_args(p, args, cuda)
     if not cuda:
         args.notes.append(_cpu_note(args))
+    max_batch.check_arguments(p, args)
     loader_bench.settle(p, args)
     return args
 
@@ -633,6 +635,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     memory = memory_breakdowns(args, device) if args.memory_table else {}
     if memory:
         say(format_memory_table(memory, max(args.batch_sizes)))
+    if args.max_batch:
+        say(max_batch.report(args, device))
     for r in results:
         if r.error:
             say(f"error: {r.system} {r.precision} batch {r.batch_size}: {r.error.splitlines()[0]}")
