@@ -28,6 +28,15 @@ def forget_unscale(scaler: torch.amp.GradScaler) -> None:
     scaler._per_optimizer_states.clear()
 
 
+def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Sets ``found_inf`` to 1 if any gradient holds an inf or NaN, from their inf-norms: for the dtypes that the fused
+    check does not take on CUDA (bf16)."""
+    grads = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined; it holds no inf anyway
+    if grads:
+        found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
+        torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
+
+
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> dict:
     """``{(device, dtype): ([tensors], [])}``: torch's own grouping for foreach kernels, done in C++."""
     return torch._C._group_tensors_by_device_and_dtype([tensors], False)

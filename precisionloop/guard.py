@@ -190,6 +190,10 @@ class ScalerGuard:
             self.scaler.load_state_dict(state)
 
 
+# The dtypes that torch's fused check takes on every device; bf16 gradients (pure bf16) are checked by their inf-norms.
+_FUSED_CHECK_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
 class FiniteGuard:
     """No loss scale; a step whose gradients hold an inf or NaN is skipped.
 
@@ -209,17 +213,20 @@ class FiniteGuard:
         return loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The inf/NaN verdict of ``grads`` as a device tensor: torch's fused check per (device, dtype) group, with an
-        inverse scale of one; shards (FSDP2's DTensors) and sparse gradients are checked by their local values.
-        The verdicts are summed on the first gradient's device, then agreed across ranks."""
+        """The inf/NaN verdict of ``grads`` as a device tensor, 0 or 1: torch's fused check per (device, dtype) group,
+        with an inverse scale of one (bf16 groups by their inf-norms); shards (FSDP2's DTensors) and sparse gradients are
+        checked by their local values. The verdicts meet on the first gradient's device, then are agreed across ranks."""
         if any(type(g) is not torch.Tensor or g.is_sparse for g in grads):  # a parameter's grad is a plain dense tensor
             grads = [_compat.dense_values(g) for g in grads]
         found = self._zero_on(grads[0].device if grads else torch.device("cpu"))
-        for (where, _), (tensors, _) in _compat.group_by_device_and_dtype(grads).items():
+        for (where, dtype), (tensors, _) in _compat.group_by_device_and_dtype(grads).items():
             here = found if where == found.device else self._zero_on(where)
-            _compat.non_finite_check_(tensors[0], here, self._one_on(where))
-            if here is not found:
-                found += here.to(found.device)
+            if dtype in _FUSED_CHECK_DTYPES:
+                _compat.non_finite_check_(tensors[0], here, self._one_on(where))
+            else:
+                _compat.non_finite_any_(tensors[0], here)
+            if here is not found:  # 1, not a sum: a fused optimizer skips only when the verdict is exactly 1
+                torch.maximum(found, here.to(found.device), out=found)
         if self.all_reduce_max is not None:
             self.all_reduce_max(found)
         return found

@@ -10,7 +10,7 @@ from torch import nn
 from conftest import (B, batch, batches, mk, net, opt_state, params_of, pure_bf16, same_models, same_params, same_state,
                       steps_without_host_sync, tiny_mlp, unfrozen_late)
 
-from precisionloop import BF16Policy, FP16Policy, Trainer
+from precisionloop import BF16Policy, FP16Policy, Trainer, _compat
 from precisionloop.guard import FiniteGuard, ScalerGuard, fuse_default_optimizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
@@ -132,6 +132,23 @@ def test_a_non_finite_sparse_gradient_among_dense_ones_is_caught():
     assert guard.unscale_(None, [sparse, torch.ones(3)]).item() == 1
     assert guard.unscale_(None, [torch.ones(3), torch.tensor([1.0, float("nan")])]).item() == 1
     assert guard.unscale_(None, dense).item() == 0
+
+
+@pytest.mark.parametrize("nonfinite", [(0,), (1,), (2,), (0, 1), (0, 1, 2), (1, 2)])
+def test_the_verdict_over_several_dtypes_is_exactly_one_so_a_fused_optimizer_skips(nonfinite):
+    from precisionloop.guard import FiniteGuard
+
+    grads = [torch.ones(3), torch.ones(2, dtype=torch.bfloat16), torch.ones(4, dtype=torch.float64),
+             torch.ones(0, dtype=torch.bfloat16)]  # an empty gradient has no inf-norm, and no inf
+    for i in nonfinite:
+        grads[i][0] = float("inf") if i != 1 else float("nan")
+    found = FiniteGuard().unscale_(None, grads)
+    assert found.dtype == torch.float32 and found.item() == 1.0  # fused kernels skip only on exactly 1
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.ones(3)
+    _compat.step_with_verdict(torch.optim.SGD([param], lr=0.1, fused=True), found)
+    assert torch.equal(param.detach(), torch.ones(3))
+    assert FiniteGuard().unscale_(None, [torch.ones(3), torch.ones(2, dtype=torch.bfloat16)]).item() == 0.0
 
 
 def test_a_failing_collective_is_raised_not_retried():
