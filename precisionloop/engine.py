@@ -39,43 +39,22 @@ class LossNotScalar(ValueError):
                          "nothing was changed")
 
 
-class _HostRows:
-    """Pinned host rows, and an event for each, that the verdicts are copied into in turn (CUDA only).
-
-    At most two verdicts are pending, so a row comes round again three steps on, once its verdict was read
-    or given up; its event is still waited on first, in case its copy ran on another stream.
-    """
-
-    def __init__(self):
-        self._rings: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
-        self._turn = 0
-
-    def take(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        ring = self._rings.get((row.shape, row.dtype))
-        if ring is None:
-            ring = self._rings[(row.shape, row.dtype)] = [
-                (torch.empty(row.shape, dtype=row.dtype, pin_memory=True), torch.cuda.Event()) for _ in range(3)]
-        self._turn = (self._turn + 1) % len(ring)
-        values, event = ring[self._turn]
-        event.synchronize()  # at once: its copy landed steps ago
-        return values, event
-
-
 class _HostCopy:
-    """A step's verdict row on its way to the host: a non-blocking copy into a pinned row, and an event after it.
+    """A step's verdict row on its way to the host: a non-blocking copy and an event after it (CUDA only).
 
-    Elsewhere than on CUDA the row is its own host copy, booked at once.
+    torch puts a non-blocking copy to the CPU in pinned memory from its caching host allocator. Elsewhere the
+    row is its own host copy, booked at once.
     """
 
     __slots__ = ("values", "event")
 
-    def __init__(self, row: torch.Tensor, rows: _HostRows):
+    def __init__(self, row: torch.Tensor):
         if not row.is_cuda:
             self.values, self.event = row, None
             return
-        with torch.inference_mode(False):  # rows made and written outside it, whatever the caller opened
-            self.values, self.event = rows.take(row)
-            self.values.copy_(row, non_blocking=True)
+        with torch.inference_mode(False):
+            self.values = row.to("cpu", non_blocking=True)
+        self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(row.device))  # the copy's stream, whichever device is current
 
     def landed(self) -> bool:
@@ -118,7 +97,6 @@ class StepEngine:
         self.probe: Callable[[int], None] | None = None
         self.after_step: Callable[[], None] | None = None
         self._pending: list[_HostCopy] = []  # verdicts not booked yet, oldest first: at most two
-        self._host_rows = _HostRows()
 
     def configure(self, model: nn.Module, policy: PrecisionPolicy, guard: GradientGuard, mode: str | None) -> None:
         """Train ``model`` (already prepared) under ``policy`` with ``guard``; the counters carry on."""
@@ -208,7 +186,7 @@ class StepEngine:
             self.guard.step(self.optimizer, found_inf)
             self.guard.update()
             row = self._verdict(found_inf, loss)
-            copy = _HostCopy(row, self._host_rows)
+            copy = _HostCopy(row)
             self._pending.append(copy)
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced = 0, False

@@ -40,8 +40,6 @@ class MemoryBreakdown:
     """CUDA: the peak less the rest (the four exact parts on the Trainer's device), at least 0"""
     reserved_mb: float | None = None
     """CUDA: ``torch.cuda.memory_reserved`` now, the allocator's cache included"""
-    graph_pools_mb: float | None = None
-    """CUDA: the part of ``reserved_mb`` in private memory pools: the CUDA graphs' of ``compile="reduce-overhead"``"""
 
     def to_dict(self) -> dict[str, float | None]:
         """The fields by name."""
@@ -83,15 +81,6 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Any]:
         yield from state.values()
 
 
-def _private_pool_mb(device: torch.device) -> float:
-    """MB of the allocator's segments on ``device`` that belong to a private pool (a CUDA graph's), not the default."""
-    total = 0
-    for segment in torch.cuda.memory_snapshot():
-        if segment.get("device", device.index) == device.index and tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0):
-            total += segment["total_size"]
-    return total / _MB
-
-
 def _cuda_device(device: torch.device) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
@@ -112,8 +101,7 @@ def memory_breakdown(trainer: Any) -> MemoryBreakdown:
     the optimizer step's temporaries, the gradients if none are present now. ``reserved_mb`` is
     ``torch.cuda.memory_reserved``: what the caching allocator holds, used or not. With
     ``compile="reduce-overhead"`` the CUDA graphs replay into private memory pools without allocating, so
-    their activations are not in the peak; they are in ``reserved_mb``, and ``graph_pools_mb`` says how much of
-    it the private pools hold (from ``torch.cuda.memory_snapshot``).
+    their activations are not in the peak; they are in ``reserved_mb``.
 
     Example:
         >>> import torch
@@ -137,4 +125,4 @@ def memory_breakdown(trainer: Any) -> MemoryBreakdown:
     peak = torch.cuda.max_memory_allocated(device) / _MB
     here = sum(by_device.get(device, 0) for by_device in parts.values()) / _MB
     return MemoryBreakdown(**exact, peak_mb=peak, activations_and_workspace_mb=max(peak - here, 0.0),
-                           reserved_mb=torch.cuda.memory_reserved(device) / _MB, graph_pools_mb=_private_pool_mb(device))
+                           reserved_mb=torch.cuda.memory_reserved(device) / _MB)

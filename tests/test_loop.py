@@ -271,6 +271,13 @@ def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
 
 def test_a_fast_loader_gets_a_small_data_fraction_and_no_warning(caplog):
     trainer = make_trainer("fp32")
+    loss_fn = trainer.loss_fn
+
+    def slow_loss(outputs, targets):  # a step that takes 0.1 s, so a loaded machine cannot make the loader look slow
+        time.sleep(0.1)
+        return loss_fn(outputs, targets)
+
+    trainer.loss_fn = slow_loss
     with caplog.at_level(logging.WARNING, logger="precisionloop"):
         history = trainer.fit(_SlowLoader(0.0), epochs=1, progress=False)
     assert history[0]["data_fraction"] < 0.3

@@ -194,8 +194,8 @@ def _deferred(monkeypatch, precision="bf16", **kw):
     from precisionloop import engine
 
     class InFlight(engine._HostCopy):
-        def __init__(self, row, rows):
-            super().__init__(row, rows)
+        def __init__(self, row):
+            super().__init__(row)
             self.values, self.event = row.clone(), _InFlight()
 
     monkeypatch.setattr(engine, "_HostCopy", InFlight)
@@ -580,8 +580,8 @@ def test_a_skip_limit_reached_before_fit_raises_before_the_loader_is_opened(monk
     from precisionloop import engine
 
     class InFlight(engine._HostCopy):  # as on CUDA: the last skip is not booked when fit begins
-        def __init__(self, row, rows):
-            super().__init__(row, rows)
+        def __init__(self, row):
+            super().__init__(row)
             self.event = type("Event", (), {"synchronize": lambda self: None, "query": lambda self: False})()
 
     monkeypatch.setattr(engine, "_HostCopy", InFlight)

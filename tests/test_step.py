@@ -357,7 +357,7 @@ def test_a_second_interrupt_while_booking_a_failed_step_does_not_replace_the_fir
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
     counted = []
 
-    def copy_failing(self, row, rows):
+    def copy_failing(self, row):
         raise ValueError("the first error")
 
     def record_interrupted(self, skipped, scale):

@@ -7,7 +7,7 @@ from precisionloop import MemoryBreakdown
 
 MEMORY_ROWS = (("parameters_mb", "parameters"), ("buffers_mb", "buffers"), ("gradients_mb", "gradients"),
                ("optimizer_state_mb", "optimizer state"), ("activations_and_workspace_mb", "activations+workspace"),
-               ("peak_mb", "peak"), ("reserved_mb", "reserved"), ("graph_pools_mb", "graph pools"))
+               ("peak_mb", "peak"), ("reserved_mb", "reserved"))
 
 
 def format_memory_table(breakdowns: dict[str, MemoryBreakdown | str], batch_size: int) -> str:
