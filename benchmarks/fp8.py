@@ -146,26 +146,10 @@ def speed(args, device: torch.device) -> dict:
     return out
 
 
-def noisy_bigrams(steps: int, batch: int, seq_len: int, vocab: int, device: torch.device, seed: int = 0):
-    """``steps`` (inputs, targets) batches: each next token is perm[token] with probability 1/2, else uniform."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(vocab, generator=g)
-    out = []
-    for _ in range(steps):
-        ids = torch.empty(batch, seq_len + 1, dtype=torch.long)
-        ids[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
-        follow = torch.rand(batch, seq_len, generator=g) < 0.5
-        noise = torch.randint(0, vocab, (batch, seq_len), generator=g)
-        for t in range(seq_len):
-            ids[:, t + 1] = torch.where(follow[:, t], perm[ids[:, t]], noise[:, t])
-        out.append((ids[:, :-1].to(device), ids[:, 1:].to(device)))
-    return out
-
-
 def loss_curves(args, device: torch.device) -> dict:
     """bf16 and fp8 Trainers (compiled, fused AdamW) from the same weights on the same noisy-bigram batches."""
     ref = _sizes(args)
-    data = noisy_bigrams(args.loss_steps, args.seq_batch, ref["seq_len"], ref["vocab"], device)
+    data = models.noisy_bigrams(args.loss_steps, args.seq_batch, ref["seq_len"], ref["vocab"], device)
     torch.manual_seed(0)
     init = _stack(ref).state_dict()
     print(f"\n== loss: {models.describe(ref)}, {args.loss_steps} steps of batch {args.seq_batch} x {ref['seq_len']} "

@@ -216,8 +216,7 @@ class FiniteGuard:
         """The inf/NaN verdict of ``grads`` as a device tensor, 0 or 1: torch's fused check per (device, dtype) group,
         with an inverse scale of one (bf16 groups by their inf-norms); shards (FSDP2's DTensors) and sparse gradients are
         checked by their local values. The verdicts meet on the first gradient's device, then are agreed across ranks."""
-        if any(type(g) is not torch.Tensor or g.is_sparse for g in grads):  # a parameter's grad is a plain dense tensor
-            grads = [_compat.dense_values(g) for g in grads]
+        grads = [_compat.dense_values(g) for g in grads]
         found = self._zero_on(grads[0].device if grads else torch.device("cpu"))
         for (where, dtype), (tensors, _) in _compat.group_by_device_and_dtype(grads).items():
             here = found if where == found.device else self._zero_on(where)

@@ -113,3 +113,20 @@ def random_tokens(batch: int, seq_len: int, vocab: int, device: torch.device | s
     g = torch.Generator(device="cpu").manual_seed(batch if seed is None else seed)
     ids = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
     return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+
+
+def noisy_bigrams(steps: int, batch: int, seq_len: int, vocab: int, device: torch.device | str = "cpu",
+                  seed: int = 0):
+    """``steps`` (inputs, targets) batches: each next token is perm[token] with probability 1/2, else uniform."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(vocab, generator=g)
+    out = []
+    for _ in range(steps):
+        ids = torch.empty(batch, seq_len + 1, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        follow = torch.rand(batch, seq_len, generator=g) < 0.5
+        noise = torch.randint(0, vocab, (batch, seq_len), generator=g)
+        for t in range(seq_len):
+            ids[:, t + 1] = torch.where(follow[:, t], perm[ids[:, t]], noise[:, t])
+        out.append((ids[:, :-1].to(device), ids[:, 1:].to(device)))
+    return out
