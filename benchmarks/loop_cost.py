@@ -30,7 +30,7 @@ from torch import nn
 
 import precisionloop
 from precisionloop.measure import (Run, choose_method, describe_method, format_ratio, format_time, interleaved,
-                                   paired_ratio)
+                                   method_of, paired_ratio)
 from precisionloop.recipes import resnet18_bench as bench
 
 OPTIMIZERS = {
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         blocks = 1 if pipelined else min(args.blocks or args.iters, args.iters)
         timings = interleaved(systems(config, args, before, fit=False), rounds=args.rounds, iters=args.iters,
                               warmup=args.warmup, device=args.device, pipelined=pipelined, blocks=blocks)
-        method = describe_method("pipelined" if pipelined else "alternating", iters=args.iters, blocks=blocks)
+        method = describe_method(method_of(blocks, pipelined), iters=args.iters, blocks=blocks)
         print(f"\n{config.label}: steps timed {method}", flush=True)
         fits = {} if args.no_fit else interleaved(systems(config, args, before, fit=True), rounds=args.rounds,
                                                   iters=args.fit_epochs, warmup=2, device=args.device,

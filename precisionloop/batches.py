@@ -56,7 +56,11 @@ class _NormalizeUint8:
             what = images.dtype if isinstance(images, torch.Tensor) else type(images).__name__
             raise TypeError(f"normalize_uint8 takes uint8 images (0-255), got {what}; for float images that are "
                             "already scaled, pass no input_transform (or one of your own)")
-        if images.device not in self._on:
+        channels = len(self.mean)
+        if images.dim() not in (3, 4) or (channels > 1 and images.shape[-3] != channels):
+            raise ValueError(f"normalize_uint8 takes images (N, C, H, W) or (C, H, W) with C = {channels} channels, as "
+                             f"many as its mean and std; got shape {tuple(images.shape)}")
+        if images.device not in self._on:  # moved once: a copy from pageable memory each step could block the host
             self._on[images.device] = (self.mean.to(images.device), self.std.to(images.device))
         mean, std = self._on[images.device]
         return (images.float() / 255 - mean) / std

@@ -36,20 +36,22 @@ _Timer = Callable[[], float]
 
 
 def _warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
-    """Run ``warmup`` untimed steps; on CUDA restart the peak counters before the last one, the cache emptied first.
+    """Run ``warmup`` untimed steps; on CUDA restart the peak counters before the last one (after the only one, with
+    ``warmup=1``), the cache emptied first.
 
-    Emptying the cache lets go of what only the first steps needed (cuDNN's trial workspaces), so the reserved
-    peak that follows is what a steady-state step holds, CUDA-graph pools included (they are in use, so kept).
-    The last warm-up step then grows the cache back, untimed.
+    Emptying the cache lets go of what only the first step needed (cuDNN's trial workspaces, the optimizer state's
+    creation), so the reserved peak that follows is what a steady-state step holds, CUDA-graph pools included
+    (they are in use, so kept). With two or more, the last warm-up step grows the cache back, untimed.
     """
-    for _ in range(warmup - 1):
+    before_reset = warmup - 1 if warmup >= 2 else warmup
+    for _ in range(before_reset):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         if warmup:
             torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    if warmup:
+    for _ in range(warmup - before_reset):
         step()
 
 

@@ -74,6 +74,24 @@ def test_normalize_uint8_refuses_images_that_are_not_uint8():
         normalize_uint8(MEAN, STD)(torch.rand(2, 3, 4, 4))
 
 
+def test_normalize_uint8_equals_torchvisions_to_tensor_and_normalize():
+    transforms = pytest.importorskip("torchvision.transforms")
+    images, _ = uint8_images()
+    theirs = transforms.Normalize(MEAN, STD)(images.float().div(255))  # what ToTensor + Normalize give per image
+    assert torch.allclose(normalize_uint8(MEAN, STD)(images), theirs, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 4, 4), (2, 4, 4, 4), (2, 4, 4), (4, 4), (1, 2, 3, 4, 4)])
+def test_normalize_uint8_refuses_images_with_other_channels_than_its_statistics(shape):
+    with pytest.raises(ValueError, match=r"C = 3 channels.*got shape"):
+        normalize_uint8(MEAN, STD)(torch.zeros(shape, dtype=torch.uint8))
+
+
+def test_normalize_uint8_with_one_statistic_takes_any_channels():
+    out = normalize_uint8((0.5,), (0.25,))(torch.full((2, 1, 2, 2), 255, dtype=torch.uint8))
+    assert out.shape == (2, 1, 2, 2) and torch.allclose(out, torch.full_like(out, 2.0))
+
+
 # input_transform ------------------------------------------------------------------------------------------------
 
 def test_input_transform_runs_in_step_fit_and_evaluate_as_normalising_by_hand():

@@ -84,6 +84,18 @@ def test_time_steps_warms_up_untimed():
         measure.time_steps(step, iters=1, warmup=0, device=torch.device("cuda"), timer=clock)
 
 
+@pytest.mark.parametrize("warmup, steps_before_reset", [(0, 0), (1, 1), (2, 1), (5, 4)])
+def test_the_peak_counters_restart_after_the_first_step_and_before_the_last_warm_up_step(monkeypatch, warmup,
+                                                                                         steps_before_reset):
+    events = []
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: events.append("reset"))
+    measure._warm_up(lambda: events.append("step"), warmup, torch.device("cuda"))
+    # The first step's one-off memory (cuDNN's trials, the optimizer state) is never in the peak.
+    assert events == ["step"] * steps_before_reset + ["reset"] + ["step"] * (warmup - steps_before_reset)
+
+
 def test_run_context_and_teardown_wrap_each_instance():
     clock, events = FakeClock(), []
 

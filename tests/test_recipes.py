@@ -471,6 +471,7 @@ def test_the_loader_mode_times_fit_beside_the_resident_step_and_a_hand_loop(tmp_
 
 @pytest.mark.parametrize("flags, message", [
     (["--workers", "2"], "--workers only apply with --loader"),
+    (["--image-dtypes", "uint8"], "--image-dtypes only apply with --loader"),
     (["--loader", "--pin-memory", "on"], "pinned memory is for copies to CUDA; on cpu use off"),
     (["--loader", "--model", "transformer"], "--model transformer is not for it"),
     (["--loader", "--images", "1"], "--images (1) must hold at least one batch of 8"),

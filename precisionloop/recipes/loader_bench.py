@@ -52,15 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"DataLoader workers (default min(6, CPU count): {min(6, os.cpu_count() or 1)} here)")
     g.add_argument("--pin-memory", choices=("both", "on", "off"), default=None,
                    help="DataLoader pin_memory: both (the CUDA default), on, or off (the CPU's only choice)")
-    g.add_argument("--image-dtypes", default="float32,uint8",
+    g.add_argument("--image-dtypes", default=None,
                    help="comma-separated among float32 (normalised on the host) and uint8 (normalised on the device "
                         "by the Trainer's input_transform); default both")
 
 
 def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Check the ``--loader`` flags and fill in their defaults; the mode's flags without ``--loader`` are refused."""
-    given = [f for f, v in (("--images", args.images), ("--workers", args.workers), ("--pin-memory", args.pin_memory))
-             if v is not None]
+    given = [f for f, v in (("--images", args.images), ("--workers", args.workers), ("--pin-memory", args.pin_memory),
+                            ("--image-dtypes", args.image_dtypes)) if v is not None]
     if not args.loader:
         if given:
             p.error(f"{', '.join(given)} only apply with --loader")
@@ -80,7 +80,7 @@ def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if pin != "off" and not cuda:
         p.error(f"--pin-memory {pin}: pinned memory is for copies to CUDA; on {args.device} use off")
     args.pin_memory = {"both": [True, False], "on": [True], "off": [False]}[pin]
-    args.image_dtypes = [s.strip() for s in args.image_dtypes.split(",") if s.strip()]
+    args.image_dtypes = [s.strip() for s in (args.image_dtypes or "float32,uint8").split(",") if s.strip()]
     bad = [s for s in args.image_dtypes if s not in IMAGE_DTYPES]
     if bad or not args.image_dtypes:
         p.error(f"--image-dtypes takes float32 and/or uint8, got {','.join(args.image_dtypes) or 'none'}")
