@@ -38,7 +38,12 @@ def on_device(batch: Any, device: torch.device, memory_format: torch.memory_form
         return batch
     if pairs:
         inputs, targets = pair(batch)
-        batch = (transform(inputs), targets)
+        out = transform(inputs)
+        if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[:1] != inputs.shape[:1]:
+            what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(f"input_transform returned {what} for inputs of shape {tuple(inputs.shape)}: it must return "
+                            "the inputs as a tensor with the same batch size (the first dimension)")
+        batch = (out, targets)
     else:
         batch = transform(batch)
     return to_device(batch, device, memory_format)
@@ -54,8 +59,10 @@ class _NormalizeUint8:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8:
             what = images.dtype if isinstance(images, torch.Tensor) else type(images).__name__
-            raise TypeError(f"normalize_uint8 takes uint8 images (0-255), got {what}; for float images that are "
-                            "already scaled, pass no input_transform (or one of your own)")
+            whole = (" (with forward_batch or compute_loss overridden, input_transform gets the whole batch: wrap it, "
+                     "e.g. lambda b: {**b, 'x': norm(b['x'])})") if not isinstance(images, torch.Tensor) else ""
+            raise TypeError(f"normalize_uint8 takes uint8 images (0-255), got {what}{whole}; for float images that "
+                            "are already scaled, pass no input_transform (or one of your own)")
         channels = len(self.mean)
         if images.dim() not in (3, 4) or (channels > 1 and images.shape[-3] != channels):
             raise ValueError(f"normalize_uint8 takes images (N, C, H, W) or (C, H, W) with C = {channels} channels, as "
@@ -81,7 +88,8 @@ def normalize_uint8(mean: Sequence[float], std: Sequence[float]) -> Callable[[to
         std: the channels' standard deviations, on the same scale (ImageNet's: ``(0.229, 0.224, 0.225)``).
 
     Raises:
-        ValueError: ``mean`` and ``std`` are not sequences of equal length with finite values, or a std is not > 0.
+        ValueError: ``mean`` and ``std`` are not sequences of equal length with finite values, a std is not > 0,
+            or a value is above 1 (statistics on the 0-255 scale).
     """
     try:
         values = [[float(v) for v in mean], [float(v) for v in std]]
@@ -92,6 +100,9 @@ def normalize_uint8(mean: Sequence[float], std: Sequence[float]) -> Callable[[to
                          f"and {len(values[1])} stds")
     if not all(abs(v) < float("inf") for v in values[0] + values[1]) or min(values[1]) <= 0:
         raise ValueError(f"normalize_uint8 needs finite means and stds > 0, got mean={mean!r}, std={std!r}")
+    if max(values[0] + values[1]) > 1:
+        raise ValueError(f"normalize_uint8 takes statistics on the 0-1 scale, as the images are divided by 255 first; "
+                         f"got mean={mean!r}, std={std!r}: for 0-255 statistics divide them by 255")
     return _NormalizeUint8(*values)
 
 

@@ -63,6 +63,8 @@ def test_normalize_uint8_equals_normalising_by_hand():
     ((0.5,), (0.0,), "finite means and stds > 0"),
     ((float("nan"),), (0.5,), "finite means and stds > 0"),
     ("abc", (0.5,), "sequences of numbers"),
+    ((123.7, 116.3, 103.5), (58.4, 57.1, 57.4), "on the 0-1 scale.*divide them by 255"),
+    ((0.5,), (2.0,), "on the 0-1 scale"),
 ])
 def test_normalize_uint8_refuses_bad_statistics(mean, std, match):
     with pytest.raises(ValueError, match=match):
@@ -118,6 +120,29 @@ def test_the_transformed_inputs_take_the_models_layout():
     trainer.step((images, labels))
     trainer.evaluate([(images, labels)])
     assert model.seen == [(torch.float32, True)] * 2
+
+
+@pytest.mark.parametrize("transform, what", [
+    (lambda x: None, "NoneType"),
+    (lambda x: [x.float()], "list"),
+    (lambda x: x.float()[:2], r"a tensor of shape \(2, 3, 8, 8\)"),
+    (lambda x: x.float().sum(), r"a tensor of shape \(\)"),
+])
+def test_an_input_transform_that_returns_no_inputs_of_the_batch_size_is_named_before_the_model_runs(transform, what):
+    images, labels = uint8_images(n=4)
+    model, trainer = _probe_trainer(input_transform=transform)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=f"input_transform returned {what} for inputs of shape \\(4, 3, 8, 8\\)"):
+        trainer.step((images, labels))
+    assert model.seen == [] and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_normalize_uint8_given_the_whole_batch_says_how_to_wrap_it():
+    m = net()
+    trainer = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu",
+                          input_transform=normalize_uint8(MEAN, STD))
+    with pytest.raises(TypeError, match="got dict .*input_transform gets the whole batch: wrap it"):
+        trainer.step(dict_batch(1))
 
 
 def test_a_subclass_with_its_own_batch_shape_gets_the_whole_batch():
