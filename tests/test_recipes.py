@@ -116,6 +116,16 @@ def test_benchmark_recipe_prints_where_the_memory_goes(tmp_path, capsys):
     assert memory["fp32"]["peak_mb"] is None and memory["fp32"]["reserved_mb"] is None
 
 
+def test_memory_table_checks_the_breakdown_against_the_timed_peak():
+    from precisionloop import MemoryBreakdown
+    from precisionloop.recipes.memory_report import format_memory_table
+    parts = MemoryBreakdown(40.0, 0.0, 40.0, 40.0, peak_mb=1020.0, activations_and_workspace_mb=900.0, reserved_mb=2e3)
+    table = format_memory_table({"bf16": parts, "fp16": "error: out of memory"}, 128, {"bf16": 1000.0, "fp16": 9.0})
+    timed = next(line for line in table.splitlines() if line.strip().startswith("timed peak"))
+    assert timed.split("|")[1].split() == ["1000.0", "(+2.0%)"] and timed.split("|")[2].strip() == ""
+    assert "timed peak" not in format_memory_table({"bf16": parts}, 128)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--precisions", "fp4"], "fp4"),
     (["--batch-sizes", "0"], "--batch-sizes"),

@@ -10,11 +10,17 @@ MEMORY_ROWS = (("parameters_mb", "parameters"), ("buffers_mb", "buffers"), ("gra
                ("peak_mb", "peak"), ("reserved_mb", "reserved"))
 
 
-def format_memory_table(breakdowns: dict[str, MemoryBreakdown | str], batch_size: int) -> str:
-    """A column per precision, a row per part in MB; rows no precision has (the CUDA-only ones elsewhere) left out."""
+def format_memory_table(breakdowns: dict[str, MemoryBreakdown | str], batch_size: int,
+                        timed_peaks: dict[str, float] | None = None) -> str:
+    """A column per precision, a row per part in MB; rows no precision has (the CUDA-only ones elsewhere) left out.
+
+    ``timed_peaks`` (precision to MB), the speed table's peaks at the same batch size, adds a row that checks the
+    breakdown against a peak measured apart from it, over the timed steps.
+    """
     parts = {p: b.to_dict() for p, b in breakdowns.items() if isinstance(b, MemoryBreakdown)}
     rows = [(key, name) for key, name in MEMORY_ROWS if any(d[key] is not None for d in parts.values())]
-    width = max([9] + [len(p) for p in breakdowns])
+    timed = {p: t for p, t in (timed_peaks or {}).items() if p in parts and parts[p]["peak_mb"] and t}
+    width = max([16 if timed else 9] + [len(p) for p in breakdowns])
     label = max(len(name) for _, name in MEMORY_ROWS)
 
     def cell(precision: str, key: str) -> str:
@@ -24,13 +30,19 @@ def format_memory_table(breakdowns: dict[str, MemoryBreakdown | str], batch_size
     lines = [f"\nwhere the memory goes (batch {batch_size}), MB, read between a step's backward and its optimizer step:",
              f"{'':>{label}} | " + " | ".join(f"{p:>{width}}" for p in breakdowns)]
     lines += [f"{name:>{label}} | " + " | ".join(f"{cell(p, key):>{width}}" for p in breakdowns) for key, name in rows]
+    if timed:
+        def against(p: str) -> str:
+            return f"{timed[p]:.1f} ({100 * (parts[p]['peak_mb'] / timed[p] - 1):+.1f}%)" if p in timed else ""
+        lines.append(f"{'timed peak':>{label}} | " + " | ".join(f"{against(p):>{width}}" for p in breakdowns))
     lines += [f"{p}: {b}" for p, b in breakdowns.items() if not isinstance(b, MemoryBreakdown)]
     if any(d["peak_mb"] is not None for d in parts.values()):
         lines.append("peak: allocated since the steps before it (torch.cuda.max_memory_allocated); "
                      "activations+workspace: the peak less the four parts above it. CUDA graphs (compile "
                      "reduce-overhead) replay into their private pools without allocating, so their activations are "
                      "in neither: reserved (torch.cuda.memory_reserved, the warm-up's cache emptied first) holds them, "
-                     "and is the figure to compare across precisions and compile modes")
+                     "and is the figure to compare across precisions and compile modes"
+                     + ("; timed peak: the speed table's peak at this batch size, and in brackets how far "
+                        "the breakdown's parts (their sum, the peak above) are from it" if timed else ""))
     elif parts:
         lines.append("exact parts only: the peak, the activations and workspace and the reserve are measured on CUDA")
     return "\n".join(lines)

@@ -633,8 +633,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
         say(format_table(results, "hand", args.precisions, args.batch_sizes, args.baseline))
         say("\n" + format_wrapper_cost(results))
     memory = memory_breakdowns(args, device) if args.memory_table else {}
+    timed_peaks = {r.precision: r.peak_mb for r in results if r.system == "precisionloop" and r.memory_kind == "MB"
+                   and r.batch_size == max(args.batch_sizes) and r.peak_mb}
     if memory:
-        say(format_memory_table(memory, max(args.batch_sizes)))
+        say(format_memory_table(memory, max(args.batch_sizes), timed_peaks))
     if args.max_batch:
         say(max_batch.report(args, device))
     for r in results:
@@ -644,7 +646,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
                        "results": [dataclasses.asdict(r) for r in results],
-                       "memory": {"batch_size": max(args.batch_sizes),
+                       "memory": {"batch_size": max(args.batch_sizes), "timed_peaks_mb": timed_peaks,
                                   **{p: b.to_dict() if isinstance(b, MemoryBreakdown) else b for p, b in memory.items()}}},
                       f, indent=2)
         say(f"results written to {args.json}")
