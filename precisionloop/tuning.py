@@ -175,29 +175,17 @@ def _fp8_available(device: torch.device) -> bool:
     return True
 
 
-def autotune(
-    model: nn.Module,
-    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-    sample_batch: Any,
-    candidates: Sequence[Candidate] | None = None,
-    *,
-    device: str | torch.device | None = None,
-    loss_fn: Callable | None = None,
-    loss_for: Callable[[nn.Module], Callable[[Any], torch.Tensor]] | None = None,
-    steps: int = 10,
-    warmup: int = 3,
-    rounds: int = 3,
-    tolerance: float = 0.05,
-    verbose: bool = True,
-) -> AutotuneResult:
+def autotune(model: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+             sample_batch: Any, candidates: Sequence[Candidate] | None = None, *,
+             device: str | torch.device | None = None, loss_fn: Callable | None = None,
+             loss_for: Callable[[nn.Module], Callable[[Any], torch.Tensor]] | None = None, steps: int = 10,
+             warmup: int = 3, rounds: int = 3, tolerance: float = 0.05, verbose: bool = True) -> AutotuneResult:
     """Train copies of ``model`` for a few steps under each candidate and pick the fastest sound one.
 
-    Every candidate is timed in ``rounds`` interleaved rounds (:func:`measure.interleaved`), a fresh
-    copy of the model each round; its time is the median over rounds, with the min-max spread. A
-    candidate is rejected when it skips a step, fails, or when its loss at any step of the first
-    round differs from strict fp32's by more than ``tolerance`` times the first loss. Within each
-    other's spread, the simpler candidate wins (eager over compiled, the default layout over the
-    other). ``model`` itself is not touched.
+    Each candidate is timed in ``rounds`` interleaved rounds, a fresh copy each (:func:`measure.interleaved`),
+    and rejected if it skips or fails a step, or if its loss at any step of the first round differs from strict
+    fp32's by more than ``tolerance`` times the first loss. Within each other's spread the simpler candidate
+    wins (eager over compiled, the default layout over the other). ``model`` itself is not touched.
 
     Args:
         optimizer_factory: builds a fresh optimizer from parameters, e.g. ``lambda p: torch.optim.AdamW(p)``.
@@ -224,12 +212,7 @@ def autotune(
     """
     device = resolve_device(device)
     _check_autotune_arguments(model, optimizer_factory, sample_batch, steps, warmup, rounds, tolerance)
-    candidates = list(candidates) if candidates is not None else default_candidates(model, device)
-    if not candidates:
-        raise ValueError("no candidates to try")
-    wrong = [c for c in candidates if not isinstance(c, Candidate)]
-    if wrong:
-        raise ValueError(f"candidates must be Candidate objects (precisionloop.Candidate('bf16'), ...), got {wrong[0]!r}")
+    candidates = _checked_candidates(candidates, model, device)
     loss_fn = loss_fn or nn.functional.cross_entropy
     loss_for = loss_for or (lambda model: lambda batch: loss_fn(model(batch[0]), batch[1]))
     rng = checkpoint.rng_state()  # trials reseed for equal dropout masks; the caller's RNG must not notice
@@ -238,13 +221,8 @@ def autotune(
                                                 rounds, print if verbose else log.info)
         if not candidates:
             raise RuntimeError("autotune: no candidate left to try: " + "; ".join(declined))
-        reference = Candidate("fp32", channels_last=False)
-        runs = [reference] + [c for c in candidates if c != reference]
-        trials = {c: _Trial(c, model, optimizer_factory, sample_batch, device, loss_for) for c in runs}
-        keys = {c: f"{i}: {c.label}" for i, c in enumerate(trials)}  # labels can repeat (fp8 layer counts)
-        timed = measure.interleaved({keys[c]: t.build for c, t in trials.items()}, rounds=rounds, iters=steps,
-                                    warmup=warmup, device=device)
-        timings = {c: timed[keys[c]] for c in trials}
+        runs, trials, timings = _time_trials(candidates, model, optimizer_factory, sample_batch, device, loss_for,
+                                             steps, warmup, rounds)
     finally:
         checkpoint.set_rng_state(rng)
     results = [r for r in _judge(runs, trials, timings, tolerance) if r.candidate in candidates]  # reference if asked
@@ -257,6 +235,28 @@ def autotune(
     if verbose:
         print(outcome)
     return outcome
+
+
+def _checked_candidates(candidates: Sequence[Candidate] | None, model: nn.Module, device: torch.device) -> list:
+    """The candidates as a list, :func:`default_candidates` for None; refused when empty or not Candidates."""
+    candidates = list(candidates) if candidates is not None else default_candidates(model, device)
+    if not candidates:
+        raise ValueError("no candidates to try")
+    wrong = [c for c in candidates if not isinstance(c, Candidate)]
+    if wrong:
+        raise ValueError(f"candidates must be Candidate objects (precisionloop.Candidate('bf16'), ...), got {wrong[0]!r}")
+    return candidates
+
+
+def _time_trials(candidates, model, optimizer_factory, batch, device, loss_for, steps, warmup, rounds):
+    """Strict fp32 (the loss reference) and every candidate, timed in interleaved rounds: (runs, trials, timings)."""
+    reference = Candidate("fp32", channels_last=False)
+    runs = [reference] + [c for c in candidates if c != reference]
+    trials = {c: _Trial(c, model, optimizer_factory, batch, device, loss_for) for c in runs}
+    keys = {c: f"{i}: {c.label}" for i, c in enumerate(trials)}  # labels can repeat (fp8 layer counts)
+    timed = measure.interleaved({keys[c]: t.build for c, t in trials.items()}, rounds=rounds, iters=steps,
+                                warmup=warmup, device=device)
+    return runs, trials, {c: timed[keys[c]] for c in trials}
 
 
 def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, loss_for, device: torch.device, steps: int,
