@@ -11,9 +11,8 @@ Parts (comma-separated with --part):
   bf16 compiled against ``Trainer`` ``FP8Policy()`` compiled in interleaved rounds, a fresh instance each,
   pipelined on CUDA (``measure.time_block``); fp8's speed-up, paired per round.
 - ``transformer``: the Transformer stack at ``--size``, ``precisionloop.autotune`` over bf16 compiled and
-  fp8 compiled. autotune makes fp8 three layer
-  sets (``FP8Policy()``'s default layers, every layer fp8 can take, and the per-layer set it
-  measured to gain), and times all of them in interleaved rounds (plus its strict-fp32 loss
+  fp8 compiled. autotune makes fp8 two layer sets (``FP8Policy()``'s default layers and every
+  layer fp8 can take) and times them in interleaved rounds (plus its strict-fp32 loss
   reference); the speed-ups are paired per round against bf16 compiled.
 - ``vit_b_16``: the same for torchvision's vit_b_16 at batch 128.
 - ``resnet18``: the same for ResNet18 at batch 128; fp8 has no layer to convert there.

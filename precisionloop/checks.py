@@ -55,6 +55,17 @@ def check_loader(name: str, loader: Any, pairs: bool = True) -> None:
     if not (isinstance(loader, Iterable) or hasattr(type(loader), "__getitem__")) or isinstance(loader, (str, bytes)):
         raise ValueError(f"{name} must be an iterable of batches (a DataLoader, a list of batches, ...), "
                          f"got {type(loader).__name__}")
+    if _length(loader) == 0:
+        raise ValueError(f"{name} has no batches (len 0), so there is nothing to {'train on' if name == 'train_loader' else 'evaluate'}: "
+                         "a DataLoader with drop_last=True over fewer samples than batch_size gives none")
+
+
+def _length(loader: Any) -> int | None:
+    """``len(loader)``, or None where it has none (a generator, a DataLoader over an IterableDataset)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 _HOOKS = ("on_step_end", "on_epoch_end")

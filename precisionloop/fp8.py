@@ -54,11 +54,10 @@ def check_device(device: torch.device, emulate: bool) -> None:
                          f"Use precision='bf16'{hint}")
 
 
-def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = None) -> str | None:
+def eligible(name: str, linear: nn.Module) -> str | None:
     """Why ``linear`` cannot be converted to fp8 ("in_features 30 is not a multiple of 16"), or None if it can.
 
-    ``name`` is for the message. In and out features must be multiples of :data:`ALIGNMENT`; token counts
-    (the weight gradient's inner dimension), if given, need only be nonzero, as :func:`config` pads them.
+    ``name`` is for the message. In and out features must be multiples of :data:`ALIGNMENT`.
     """
     if not isinstance(linear, nn.Linear):
         return f"{name or '<root>'} is a {type(linear).__name__}, not an nn.Linear"
@@ -77,8 +76,6 @@ def eligible(name: str, linear: nn.Module, tokens: int | Iterable[int] | None = 
     for what, size in (("in_features", linear.in_features), ("out_features", linear.out_features)):
         if size % ALIGNMENT:
             return f"{what} {size} is not a multiple of {ALIGNMENT}"
-    if any(count == 0 for count in ([tokens] if isinstance(tokens, int) else list(tokens or []))):
-        return "no tokens: called on an empty input"
     return None
 
 

@@ -245,6 +245,9 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
             result = _flush(trainer)
             if result is not None:
                 _after_step(trainer, result, options, totals)
+    if totals.count == 0 and resume_at == 0:  # an epoch counted as trained with nothing trained would mislead
+        raise ValueError(f"train_loader yielded no batches in epoch {state.epoch + 1}: nothing was trained (a "
+                         "generator can be iterated once only: pass a list or a DataLoader, which start again each epoch)")
     if complete:
         state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
     return totals.record(trainer, complete)

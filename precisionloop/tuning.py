@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from . import checkpoint, fp32_modules, fp8, fp8_tuning, measure
+from . import checkpoint, fp32_modules, fp8, measure
 from .batches import to_device
 from .devices import resolve_device
 from .engine import StepEngine
@@ -217,8 +217,8 @@ def autotune(model: nn.Module, optimizer_factory: Callable[[Iterable[nn.Paramete
     loss_for = loss_for or (lambda model: lambda batch: loss_fn(model(batch[0]), batch[1]))
     rng = checkpoint.rng_state()  # trials reseed for equal dropout masks; the caller's RNG must not notice
     try:
-        candidates, declined = _with_fp8_layers(candidates, model, sample_batch, loss_for, device, steps, warmup,
-                                                rounds, print if verbose else log.info)
+        candidates, declined = _with_fp8_layers(candidates, model, sample_batch, loss_for, device,
+                                                print if verbose else log.info)
         if not candidates:
             raise RuntimeError("autotune: no candidate left to try: " + "; ".join(declined))
         runs, trials, timings = _time_trials(candidates, model, optimizer_factory, sample_batch, device, loss_for,
@@ -259,13 +259,9 @@ def _time_trials(candidates, model, optimizer_factory, batch, device, loss_for, 
     return runs, trials, {c: timed[keys[c]] for c in trials}
 
 
-def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, loss_for, device: torch.device, steps: int,
-                     warmup: int, rounds: int, say: Callable[[str], None]) -> tuple[list[Candidate], list[str]]:
-    """fp8 candidates made concrete (see :func:`_distinct_sets`), and why any fp8 candidate was declined.
-
-    The per-layer choice is not always the fastest set (a layer timed alone misses what the compiled
-    model fuses), so all sets are timed in the model.
-    """
+def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, loss_for, device: torch.device,
+                     say: Callable[[str], None]) -> tuple[list[Candidate], list[str]]:
+    """fp8 candidates without ``layers`` made concrete (see :func:`_distinct_sets`), and why any was declined."""
     out, declined = [], []
 
     def decline(why: str) -> None:
@@ -279,62 +275,61 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
             continue
         try:
             fp8.check_device(device, policy.emulate)
-            default, every, skip = _fp8_layer_sets(policy, model)  # a keep_fp32 pattern that matches nothing raises
+            default, every = _fp8_layer_sets(policy, model)  # a keep_fp32 pattern that matches nothing raises
         except ValueError:
-            out.append(c)  # it will be rejected with that error; nothing to measure per layer
+            out.append(c)  # it will be rejected with that error
             continue
         if not every:
             decline(f"{c.label} declined: no nn.Linear layer fp8 can take (both dimensions multiples of "
                     f"{fp8.ALIGNMENT}, a plain nn.Linear registered under one name, not kept in fp32)")
             continue
-        trial = copy.deepcopy(model).to(device)
-        choice = fp8_tuning.choose_fp8_layers(trial, to_device(batch, device, torch.contiguous_format),
-                                              lambda m, b: loss_for(m)(b), device, recipe=policy.recipe,
-                                              emulate=policy.emulate or None, iters=steps, warmup=warmup,
-                                              rounds=max(rounds, 2), compile=bool(c.compile) and device.type == "cuda",
-                                              skip=skip)
-        say(f"autotune: fp8 per layer, {c.label}:\n{choice}")
-        if not choice.layers:
-            timed = any(t.fp8 is not None for t in choice.table)
-            say("autotune: fp8 per layer declined: " + ("no layer is faster in fp8 beyond the measured spread" if timed
-                                                         else "no layer could be timed (see the table)"))
-        concrete = _distinct_sets(c, default, every, choice)
+        concrete = _distinct_sets(c, default, every, _called_empty(model, batch, loss_for, device))
         if not concrete:
             decline(f"{c.label} declined: every layer fp8 can take is called with no tokens on the sample batch")
         out.extend(concrete)
     return out, declined
 
 
-def _distinct_sets(c: Candidate, default: tuple[str, ...], every: tuple[str, ...],
-                   choice: fp8_tuning.Fp8Choice) -> list[Candidate]:
-    """One candidate per distinct, non-empty layer set: default layers (``c`` itself if whole), every layer, the choice.
+def _distinct_sets(c: Candidate, default: tuple[str, ...], every: tuple[str, ...], empty: set[str]) -> list[Candidate]:
+    """One candidate per distinct, non-empty layer set: the default layers (``c`` itself if whole), every layer.
 
-    Layers called with no tokens are dropped from the first two: torchao cannot scale an empty input.
+    Layers called with no tokens are left out of both: torchao cannot scale an empty input. Both sets are timed
+    in the whole model, since which one is faster depends on what the compiled model fuses around them.
     """
-    empty = {t.name for t in choice.table if t.shape is not None and 0 in t.shape.token_counts}
     usable_default = tuple(n for n in default if n not in empty)
-    sets = [usable_default, tuple(n for n in every if n not in empty), choice.layers]
     options = tuple((k, v) for k, v in c.options if k != "layers")  # an explicit layers=None is replaced
     out, seen = [], []
-    for i, layers in enumerate(sets):
+    for i, layers in enumerate((usable_default, tuple(n for n in every if n not in empty))):
         if layers and set(layers) not in seen:
             seen.append(set(layers))
             as_given = i == 0 and usable_default == default
-            out.append(c if as_given else dataclasses.replace(c, options=(*options, ("layers", tuple(layers)))))
+            out.append(c if as_given else dataclasses.replace(c, options=(*options, ("layers", layers))))
     return out
 
 
-def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, str]]:
-    """(default layers, every convertible layer, {name: why not} for aligned Linears kept in fp32 or named twice)."""
+def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the policy's default layers, every layer fp8 can take that ``keep_fp32`` does not keep)."""
     kept = policy.kept_modules(model)
-    every = fp8.eligible_layers(model)
-    skip = {}
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and fp8.eligible(name, m) is None and name not in every:
-            skip[name] = "registered under more than one name"
-        elif name in every and fp32_modules.within(name, kept):
-            skip[name] = "kept in fp32 (keep_fp32)"
-    return tuple(policy.planned_layers(model)), tuple(n for n in every if n not in skip), skip
+    every = tuple(n for n in fp8.eligible_layers(model) if not fp32_modules.within(n, kept))
+    return tuple(policy.planned_layers(model)), every
+
+
+def _called_empty(model: nn.Module, batch: Any, loss_for, device: torch.device) -> set[str]:
+    """The names of the ``nn.Linear`` layers that one forward of a copy of ``model`` calls with no rows."""
+    trial, empty = copy.deepcopy(model).to(device), set()
+
+    def hook_for(name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if args and isinstance(args[0], torch.Tensor) and args[0].numel() == 0:
+                empty.add(name)
+        return hook
+
+    for name, m in trial.named_modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_pre_hook(hook_for(name))
+    with torch.no_grad():  # the caller restores the RNG the forward draws from
+        loss_for(trial)(to_device(batch, device, torch.contiguous_format))
+    return empty
 
 
 class _Trial:

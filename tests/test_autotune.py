@@ -202,3 +202,24 @@ def test_trainer_autotune_on_cuda_trains_with_its_choice(capsys):
     batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 4, (16,)))
     assert trainer.step(batch).stepped and "CHOSEN" in capsys.readouterr().out
     assert trainer.policy.name in {"fp32", "tf32", "bf16", "fp16"} and trainer.step(batch).stepped
+
+
+def test_a_candidate_with_a_setting_its_policy_lacks_is_refused_at_once():
+    pytest.importorskip("torchao.float8", reason="fp8 candidates need torchao (pip install 'precisionloop[fp8]')")
+    with pytest.raises(ValueError, match="options bogus: its policy takes"):
+        Candidate("fp8", options=(("bogus", 1),))
+    with pytest.raises(ValueError, match="options layers"):
+        Candidate("bf16", options=(("layers", ("0",)),))
+    with pytest.raises(ValueError, match="precision"):
+        Candidate("fp9")
+    assert Candidate("fp8", options=(("layers", ["0"]),)).options == (("layers", ("0",)),)
+
+
+def test_a_candidate_with_a_bad_setting_value_is_refused_at_once():
+    with pytest.raises(ValueError, match="init_scale"):
+        Candidate("fp16", options=(("init_scale", -1.0),))
+
+
+def test_the_removed_fp8_tuning_module_says_what_to_use_instead():
+    with pytest.raises(ImportError, match=r"removed in 0.2.0: autotune times fp8 .*FP8Policy\(layers="):
+        import precisionloop.fp8_tuning  # noqa: F401

@@ -393,6 +393,26 @@ def test_empty_batch_is_a_value_error_that_changes_nothing():
     assert t.step(batch(2)).stepped
 
 
+@pytest.mark.parametrize("loader", [[], torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X[:3], Y[:3]),
+                                                                  batch_size=4, drop_last=True)], ids=["list", "drop_last"])
+def test_a_train_loader_with_no_batches_is_refused_before_anything_changes(loader):
+    m, t = mk()
+    before = params_of(m)
+    with pytest.raises(ValueError, match=r"train_loader has no batches \(len 0\).*drop_last=True"):
+        t.fit(loader, epochs=1, progress=False)
+    with pytest.raises(ValueError, match="val_loader has no batches"):
+        t.fit([batch(2)], epochs=1, val_loader=loader, progress=False)
+    assert same_params(m, before) and t.epoch == 0 and t.global_step == 0
+
+
+def test_a_spent_generator_is_refused_at_the_epoch_it_yields_nothing():
+    m, t = mk()
+    history = []
+    with pytest.raises(ValueError, match="yielded no batches in epoch 2: nothing was trained"):
+        history = t.fit((batch(2) for _ in range(3)), epochs=2, progress=False)
+    assert history == [] and t.epoch == 1 and t.global_step == 3  # the first epoch trained and counts
+
+
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
 def test_gradient_underflow_rejects_bad_scale(scale):
     """gradient_underflow rejects a NaN, infinite, zero or negative scale."""

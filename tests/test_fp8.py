@@ -132,19 +132,31 @@ def test_uncompiled_fp8_on_cuda_says_so():
         BF16Policy().check_compile(None, "cuda")
 
 
-def test_autotune_measures_fp8_per_layer(capsys):
+def test_eligibility_reasons():
+    eligible = fp8_module.eligible
+    assert eligible("fc", nn.Linear(30, 32)) == "in_features 30 is not a multiple of 16"
+    assert eligible("fc", nn.Linear(32, 30)) == "out_features 30 is not a multiple of 16"
+    assert eligible("fc", nn.Linear(32, 64)) is None
+    assert fp8_module.config("tensorwise", True).pad_inner_dim  # unaligned token counts are padded
+    assert eligible("conv", nn.Conv1d(16, 16, 1)) == "conv is a Conv1d, not an nn.Linear"
+    float8 = fp8_module.require_torchao()
+    converted = float8.convert_to_float8_training(nn.Linear(32, 32), config=fp8_module.config("tensorwise", True))
+    assert eligible("", converted) == "already fp8 (Float8Linear)"
+    hooked = nn.Linear(32, 32)
+    hooked.register_forward_pre_hook(lambda m, a: None)
+    assert "forward pre hooks" in eligible("fc", hooked)
+
+
+def test_autotune_times_fp8_over_its_default_layers(capsys):
     from precisionloop import autotune
     from precisionloop.tuning import Candidate
 
     candidates = [Candidate("bf16"), Candidate("fp8", options=(("emulate", True),))]
     result = autotune(mlp(), lambda p: torch.optim.SGD(p, lr=0.01), data(1)[0], candidates, device="cpu", steps=2,
                       warmup=1, rounds=2, tolerance=1.0)
-    out = capsys.readouterr().out
-    assert "fp8 per layer" in out and "emulated fp8" in out  # the per-layer table, labelled as emulated
     labels = [r.candidate.label for r in result.results]
-    assert "fp8 emulate=True" in labels  # whole-model fp8 is a candidate too
-    per_layer = [r for r in result.results if "layers=" in r.candidate.label]
-    assert ("fp8 per layer declined" in out) != bool(per_layer)
+    assert "fp8 emulate=True" in labels  # whole-model fp8 at FP8Policy()'s default layers
+    assert "fp8 per layer" not in capsys.readouterr().out
 
 
 def aligned_mlp(seed=0):
@@ -200,7 +212,7 @@ def test_autotune_leaves_layers_kept_in_fp32_out_of_every_fp8_set():
     assert all(r.rejected is None for r in fp8_rows)  # no set names a kept layer, which the policy would refuse
 
 
-def test_autotune_does_not_time_layers_fp8_cannot_take_here(capsys):
+def test_autotune_leaves_layers_fp8_cannot_take_here_out_of_every_set():
     from precisionloop import autotune
     from precisionloop.tuning import Candidate
 
@@ -215,13 +227,11 @@ def test_autotune_does_not_time_layers_fp8_cannot_take_here(capsys):
 
     candidate = Candidate("fp8", options=(("emulate", True), ("keep_fp32", ("net.0",))))
     result = autotune(Aliased(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(), [Candidate("bf16"), candidate],
-                      device="cpu", steps=2, warmup=1, rounds=2, tolerance=1.0)
-    out = capsys.readouterr().out
-    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("net.")}
-    assert "skipped: kept in fp32 (keep_fp32)" in rows["net.0"]  # not timed, so never "chosen" and then dropped
-    assert "skipped: registered under more than one name" in rows["net.2"]
+                      device="cpu", steps=2, warmup=1, rounds=2, tolerance=1.0, verbose=False)
+    # net.0 is kept in fp32 and net.2 registered under two names: the default set is empty, every set is net.4.
     assert [r.candidate.policy(torch.device("cpu")).layers for r in result.results if r.candidate.precision == "fp8"] == [
-        ("net.4",)]  # the default set is empty here; every layer fp8 can take is net.4
+        ("net.4",)]
+    assert all(r.rejected is None for r in result.results)
 
 
 class _SometimesCalled(nn.Module):

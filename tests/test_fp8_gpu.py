@@ -10,7 +10,6 @@ from torch import nn
 
 from precisionloop import BF16Policy, FP8Policy, Trainer, autotune
 from precisionloop import fp8 as fp8_module
-from precisionloop.fp8_tuning import choose_fp8_layers
 from precisionloop.recipes import models
 from precisionloop.tuning import Candidate
 
@@ -77,19 +76,6 @@ def test_uncompiled_fp8_on_cuda_warns_once():
     assert not [w for w in caught if "slower than bf16" in str(w.message)]
 
 
-def test_per_layer_timing_uses_real_fp8_and_times_every_eligible_layer():
-    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.GELU(), nn.Linear(1024, 30)).cuda()
-    batch = torch.randn(4096, 1024, device="cuda")
-    choice = choose_fp8_layers(model, batch, lambda m, b: m(b), "cuda", iters=3, warmup=2, rounds=2)
-    assert not choice.emulate and "real fp8" in str(choice)
-    rows = {t.name: t for t in choice.table}
-    for name in ("0", "2"):
-        assert rows[name].bf16.rounds_ms and rows[name].fp8.rounds_ms and rows[name].fp8.error is None
-        assert rows[name].fp8.settings["compile"] is True and rows[name].bf16.settings["cuda_graphs"] is True
-    assert rows["4"].verdict.startswith("skipped") and "4" not in choice.layers
-    assert set(choice.layers) <= {"0", "2"}
-
-
 def test_autotune_declines_fp8_on_a_model_without_convertible_layers(capsys):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
@@ -101,15 +87,14 @@ def test_autotune_declines_fp8_on_a_model_without_convertible_layers(capsys):
     assert all(r.candidate.precision != "fp8" for r in result.results) and result.best.precision == "bf16"
 
 
-def test_autotune_offers_whole_model_and_measured_fp8(capsys):
+def test_autotune_times_fp8_at_its_default_layers_and_at_every_layer():
     model = stack()
     batch = models.random_tokens(8, SIZES["seq_len"], SIZES["vocab"], "cuda")
     result = autotune(model, lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), batch,
                       [Candidate("bf16", compile=True), Candidate("fp8", compile=True)], device="cuda",
                       loss_fn=models.lm_loss, steps=3, warmup=2, rounds=2)
-    out = capsys.readouterr().out
-    assert "fp8 per layer" in out and "real fp8" in out
     fp8_rows = [r for r in result.results if r.candidate.precision == "fp8"]
+    assert {r.candidate.policy(torch.device("cuda")).layers is None for r in fp8_rows} == {True, False}
     assert fp8_rows and all(r.rejected is None and r.timing.rounds_ms for r in fp8_rows)
     assert all(r.skipped == 0 for r in result.results)
 
