@@ -425,7 +425,8 @@ def test_peers_script_runs_and_skips_missing_peers(tmp_path, capsys):
     assert json.loads(out.read_text())["results"]
 
 
-def test_fp8_script_times_bf16_against_fp8_and_compares_their_losses_on_the_cpu(tmp_path, capsys):
+def test_fp8_script_times_bf16_against_fp8_and_compares_their_losses_on_the_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the script trains on CUDA wherever there is one
     fp8 = _benchmark_script("fp8")
     out = tmp_path / "fp8.json"
     report = fp8.main(["--tiny", "--part", "speed,loss", "--loss-steps", "3", "--rounds", "2", "--iters", "2",
