@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-__all__ = ["refuse_removed", "check_int", "check_flag", "check_real", "check_loader", "check_callbacks", "check_loggers", "check_directory",
+__all__ = ["refuse_removed", "check_int", "check_flag", "check_real", "check_loader", "length", "check_callbacks", "check_loggers", "check_directory",
            "check_trainer_arguments", "check_scheduler_interval", "check_master_weights", "check_optimizer_params", "is_plateau"]
 
 
@@ -55,12 +55,12 @@ def check_loader(name: str, loader: Any, pairs: bool = True) -> None:
     if not (isinstance(loader, Iterable) or hasattr(type(loader), "__getitem__")) or isinstance(loader, (str, bytes)):
         raise ValueError(f"{name} must be an iterable of batches (a DataLoader, a list of batches, ...), "
                          f"got {type(loader).__name__}")
-    if _length(loader) == 0:
+    if length(loader) == 0:
         raise ValueError(f"{name} has no batches (len 0), so there is nothing to {'train on' if name == 'train_loader' else 'evaluate'}: "
                          "a DataLoader with drop_last=True over fewer samples than batch_size gives none")
 
 
-def _length(loader: Any) -> int | None:
+def length(loader: Any) -> int | None:
     """``len(loader)``, or None where it has none (a generator, a DataLoader over an IterableDataset)."""
     try:
         return len(loader)

@@ -25,7 +25,7 @@ from . import checkpoint, diagnostics
 from . import distributed as _dist
 from . import feed
 from .batches import batch_size
-from .checks import check_callbacks, check_directory, check_flag, check_int, check_loader, check_loggers, is_plateau
+from .checks import check_callbacks, check_directory, check_flag, check_int, check_loader, check_loggers, is_plateau, length
 
 __all__ = ["LoopState", "FitOptions", "fit", "evaluate"]
 
@@ -212,7 +212,7 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
     # so the epoch's skipped count starts from them.
     totals = _EpochTotals(trainer, trainer.stats.skipped)
     iterator, resume_at = _start_epoch(trainer, loader)
-    total = len(loader) if hasattr(loader, "__len__") else None
+    total = length(loader)
     bar = tqdm(total=total, initial=resume_at, desc=f"epoch {state.epoch + 1}/{options.epochs}",
                disable=not options.progress, dynamic_ncols=True, leave=True)
     complete = True
@@ -387,11 +387,12 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
     for metric in metrics.values():
         metric.to(device)
         metric.reset()
-    loss_sum, count = torch.zeros((), dtype=torch.float32, device=device), 0
+    loss_sum, count, seen = torch.zeros((), dtype=torch.float32, device=device), 0, 0
     try:
         # The flags of the policy in force now: autotune may have replaced the one fit started with.
         with trainer.policy.backend_flags(), torch.no_grad():
             for batch in loader:
+                seen += 1
                 n = batch_size(batch)
                 if n == 0:
                     continue  # an empty batch has no loss to average in
@@ -406,8 +407,12 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
                 for metric in metrics.values():
                     metric.update(outputs, targets)
         if trainer.distributed:
-            totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), torch.tensor(float(count), device=device)]))
-            loss_sum, count = totals[0], int(totals[1])
+            totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), torch.tensor(float(count), device=device),
+                                                        torch.tensor(float(seen), device=device)]))
+            loss_sum, count, seen = totals[0], int(totals[1]), int(totals[2])
+        if seen == 0:  # on every rank alike: the counts were summed
+            raise ValueError("the validation loader yielded no batches, so there is no loss to report (a generator can "
+                             "be iterated once only: pass a list or a DataLoader, which start again each epoch)")
         # torchmetrics syncs each metric's state across ranks in compute().
         result = {"val_loss": float(loss_sum) / count if count else float("nan")}
         for name, metric in metrics.items():

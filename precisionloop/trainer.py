@@ -59,10 +59,9 @@ class Trainer:
         device: where to train; CUDA when available, else the CPU.
         loss_fn: ``loss_fn(outputs, targets)``; ``torch.nn.functional.cross_entropy`` by default.
         scheduler: an LR scheduler built on ``optimizer``; ``scheduler_interval`` says when it steps.
-        scheduler_interval: ``"step"``: after every optimizer step really taken (skipped steps do not
-            count); ``"epoch"``: at the end of each epoch of ``fit`` (a loop of your own steps it
-            itself). Required with a scheduler; a ``ReduceLROnPlateau`` is always stepped by ``fit``
-            at each epoch's end with the validation loss.
+        scheduler_interval: ``"step"``: after every optimizer step really taken (skipped ones do not count);
+            ``"epoch"``: at the end of each epoch of ``fit`` (a loop of your own steps it itself). Required with a
+            scheduler; a ``ReduceLROnPlateau`` is always stepped by ``fit`` at each epoch's end with ``val_loss``.
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the unscaled gradients to this total norm.
         max_consecutive_skips: raise after this many skipped steps in a row (on CUDA up to two steps later:
@@ -79,8 +78,8 @@ class Trainer:
             overridden) in ``step``, ``fit``, ``evaluate``; for uint8 images :func:`precisionloop.normalize_uint8`.
 
     Raises:
-        ValueError: bad arguments, an optimizer that does not hold exactly the model's trainable
-            parameters, weights or an optimizer the policy refuses (``check_weights``), or a device that cannot run it.
+        ValueError: bad arguments, an optimizer that does not hold exactly the model's trainable parameters,
+            weights or an optimizer the policy refuses (``check_weights``), or a device that cannot run it.
 
     Example:
         >>> import torch
@@ -161,8 +160,7 @@ class Trainer:
         self._configure(result.policy, compile_mode(result.best.compile, self.device))
         log.info("autotune: training with %s", result.best.label)
 
-    is_main = property(lambda self: _dist.is_main(), doc="True on the process that reports and writes checkpoints: "
-                                                         "rank 0, or the only one.")
+    is_main = property(lambda self: _dist.is_main(), doc="True on rank 0 (or the only process): it reports and saves.")
 
     def __repr__(self) -> str:
         return f"Trainer(model={type(self.model).__name__}, device={self.device}, policy={self.policy!r})"
@@ -234,10 +232,7 @@ class Trainer:
         self.engine.sync()
         return self.engine.stats
 
-    @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The loss scaler, or ``None`` when the policy needs none."""
-        return self.engine.guard.scaler
+    scaler = property(lambda self: self.engine.guard.scaler, doc="The loss scaler, or ``None`` when the policy needs none.")
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Parameters, gradients, optimizer state and on CUDA the peak, in MB: :func:`precisionloop.memory_breakdown`."""
@@ -292,14 +287,17 @@ class Trainer:
             counters, and ``val_loss`` and the metrics with ``val_loader``.
 
         Raises:
-            ValueError: bad arguments, or a ReduceLROnPlateau without ``val_loader``.
+            ValueError: bad arguments, a loader with no batches, or a ReduceLROnPlateau without ``val_loader``.
         """
         options = loop.FitOptions(epochs, max_steps, progress, callbacks, checkpoint_dir, checkpoint_every,
                                   keep_last, log_every, underflow_every, loggers, device_feed)
         return loop.fit(self, train_loader, options, val_loader, metrics)
 
     def evaluate(self, loader: Iterable, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
-        """``{"val_loss": mean loss, name: metric, ...}`` over ``loader``: eval mode, no grad, the policy's autocast."""
+        """``{"val_loss": mean loss, name: metric, ...}`` over ``loader``: eval mode, no grad, the policy's autocast.
+
+        Raises:
+            ValueError: ``loader`` has or yields no batch (a spent generator); batches of size 0 are passed over."""
         return loop.evaluate(self, loader, metrics)
 
     def state_dict(self) -> dict:

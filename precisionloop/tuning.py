@@ -283,7 +283,7 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
             decline(f"{c.label} declined: no nn.Linear layer fp8 can take (both dimensions multiples of "
                     f"{fp8.ALIGNMENT}, a plain nn.Linear registered under one name, not kept in fp32)")
             continue
-        concrete = _distinct_sets(c, default, every, _called_empty(model, batch, loss_for, device))
+        concrete = _distinct_sets(c, default, every, _called_empty(model, batch, loss_for, device, policy))
         if not concrete:
             decline(f"{c.label} declined: every layer fp8 can take is called with no tokens on the sample batch")
         out.extend(concrete)
@@ -314,21 +314,31 @@ def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...
     return tuple(policy.planned_layers(model)), every
 
 
-def _called_empty(model: nn.Module, batch: Any, loss_for, device: torch.device) -> set[str]:
-    """The names of the ``nn.Linear`` layers that one forward of a copy of ``model`` calls with no rows."""
-    trial, empty = copy.deepcopy(model).to(device), set()
+def _called_empty(model: nn.Module, batch: Any, loss_for, device: torch.device, policy: FP8Policy) -> set[str]:
+    """The names of the ``nn.Linear`` layers that one forward of a copy of ``model`` calls with no rows.
+
+    The forward runs as a trial's first one does: seeded, under the policy's autocast. If it fails, no layer is
+    left out, and the trials meet the same error and reject the candidate with it.
+    """
+    empty: set[str] = set()
 
     def hook_for(name: str):
-        def hook(module: nn.Module, args: tuple) -> None:
-            if args and isinstance(args[0], torch.Tensor) and args[0].numel() == 0:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else kwargs.get("input")
+            if isinstance(x, torch.Tensor) and x.numel() == 0:
                 empty.add(name)
         return hook
 
-    for name, m in trial.named_modules():
-        if isinstance(m, nn.Linear):
-            m.register_forward_pre_hook(hook_for(name))
-    with torch.no_grad():  # the caller restores the RNG the forward draws from
-        loss_for(trial)(to_device(batch, device, torch.contiguous_format))
+    try:
+        trial = copy.deepcopy(model).to(device)
+        for name, m in trial.named_modules():
+            if isinstance(m, nn.Linear):
+                m.register_forward_pre_hook(hook_for(name), with_kwargs=True)
+        torch.manual_seed(0)  # as _Trial seeds; the caller restores the RNG
+        with torch.no_grad(), policy.autocast(device.type):
+            loss_for(trial)(to_device(batch, device, torch.contiguous_format))
+    except Exception as e:  # noqa: BLE001 - the trials report it
+        log.info("autotune: the fp8 layer scan failed (%s: %s); the fp8 trials will meet it", type(e).__name__, e)
     return empty
 
 

@@ -413,6 +413,27 @@ def test_a_spent_generator_is_refused_at_the_epoch_it_yields_nothing():
     assert history == [] and t.epoch == 1 and t.global_step == 3  # the first epoch trained and counts
 
 
+def test_a_validation_loader_that_yields_nothing_is_refused_not_reported_as_nan():
+    m, t = mk()
+    with pytest.raises(ValueError, match="validation loader yielded no batches"):
+        t.evaluate(b for b in [])
+    spent = (batch(2) for _ in range(2))
+    with pytest.raises(ValueError, match="validation loader yielded no batches"):
+        t.fit([batch(2)], epochs=2, val_loader=spent, progress=False)  # the generator is spent after epoch 1
+
+
+def test_fit_trains_over_a_dataloader_of_an_iterable_dataset_without_a_length():
+    xs, ys = batch(n=8)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(zip(xs, ys))
+
+    m, t = mk()
+    history = t.fit(torch.utils.data.DataLoader(Stream(), batch_size=4), epochs=1, progress=False)
+    assert history[0]["steps"] == 2 and history[0]["complete"]
+
+
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
 def test_gradient_underflow_rejects_bad_scale(scale):
     """gradient_underflow rejects a NaN, infinite, zero or negative scale."""

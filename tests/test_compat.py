@@ -149,3 +149,15 @@ def test_compiled_original_finds_the_module_torch_compile_wrapped():
     assert _compat.compiled_original(wrapped) is linear
     assert _compat.compiled_original(linear) is None
     assert [n for n, _ in wrapped.named_parameters()] == ["_orig_mod.weight", "_orig_mod.bias"]
+
+
+def test_non_finite_any_sets_found_from_inf_norms_and_leaves_the_gradients_alone():
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grads = [torch.tensor([1.0, 2.0]), torch.tensor([bad, 3.0], dtype=torch.bfloat16), torch.zeros(0)]
+        found = torch.zeros(())
+        _compat.non_finite_any_(grads, found)
+        assert found.item() == 1.0 and grads[0].tolist() == [1.0, 2.0]
+    clean, found = [torch.tensor([4.0, -1e38]), torch.tensor([3e38])], torch.zeros(())
+    before = [g.clone() for g in clean]
+    _compat.non_finite_any_(clean, found)  # large finite values are no inf: norms are maxima, not sums
+    assert found.item() == 0.0 and all(torch.equal(g, b) for g, b in zip(clean, before))

@@ -261,6 +261,25 @@ def test_autotune_leaves_layers_called_with_no_tokens_out_of_every_fp8_set():
     assert all(r.rejected is None for r in fp8_rows)  # torchao cannot scale an empty input: aux is left out
 
 
+class _SometimesCalledByKeyword(_SometimesCalled):
+    def forward(self, x):
+        y = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        rare = x[:, 0] > 1e9
+        return y.index_add(0, rare.nonzero().flatten(), self.aux(input=x[rare]))
+
+
+def test_autotune_finds_a_layer_called_by_keyword_with_no_tokens():
+    from precisionloop import autotune
+    from precisionloop.tuning import Candidate
+
+    result = autotune(_SometimesCalledByKeyword(), lambda p: torch.optim.SGD(p, lr=0.01), aligned_batch(),
+                      [Candidate("bf16"), Candidate("fp8", options=(("emulate", True),))], device="cpu", steps=2,
+                      warmup=1, rounds=2, tolerance=1.0, verbose=False)
+    fp8_rows = [r for r in result.results if r.candidate.precision == "fp8"]
+    assert {r.candidate.policy(torch.device("cpu")).layers for r in fp8_rows} == {("a", "b", "c"), ("b",)}
+    assert all(r.rejected is None for r in fp8_rows)
+
+
 def test_autotune_says_so_when_every_fp8_layer_is_called_with_no_tokens():
     from precisionloop import autotune
     from precisionloop.tuning import Candidate

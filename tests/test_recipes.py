@@ -1,5 +1,6 @@
 """The recipes and benchmark scripts: tiny runs on the CPU, their argument checks, and the CUDA benchmark."""
 
+import dataclasses
 import json
 import weakref
 
@@ -124,6 +125,20 @@ def test_memory_table_checks_the_breakdown_against_the_timed_peak():
     timed = next(line for line in table.splitlines() if line.strip().startswith("timed peak"))
     assert timed.split("|")[1].split() == ["1000.0", "(+2.0%)"] and timed.split("|")[2].strip() == ""
     assert "timed peak" not in format_memory_table({"bf16": parts}, 128)
+    wide = format_memory_table({"fp32": dataclasses.replace(parts, peak_mb=140968.0)}, 6400, {"fp32": 140968.0})
+    assert len({line.index("|") for line in wide.splitlines() if "|" in line}) == 1  # one column, aligned
+    assert len({len(line) for line in wide.splitlines() if "|" in line}) == 1
+
+
+def test_the_timed_peak_check_leaves_out_steps_that_replay_cuda_graphs():
+    args = resnet18_bench.parse_args([*TINY, "--compile"])
+    cuda = torch.device("cuda")
+    assert not resnet18_bench.graphed("bf16", args, torch.device("cpu"))
+    assert resnet18_bench.graphed("bf16", args, cuda)  # compile=True is reduce-overhead on CUDA
+    args.compile = "default"
+    assert not resnet18_bench.graphed("bf16", args, cuda)
+    args.compile = False
+    assert not resnet18_bench.graphed("bf16", args, cuda)
 
 
 @pytest.mark.parametrize("argv, message", [

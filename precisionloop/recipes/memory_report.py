@@ -15,24 +15,28 @@ def format_memory_table(breakdowns: dict[str, MemoryBreakdown | str], batch_size
     """A column per precision, a row per part in MB; rows no precision has (the CUDA-only ones elsewhere) left out.
 
     ``timed_peaks`` (precision to MB), the speed table's peaks at the same batch size, adds a row that checks the
-    breakdown against a peak measured apart from it, over the timed steps.
+    breakdown against a peak measured apart from it, over the timed steps (the recipe leaves out precisions whose
+    steps replay CUDA graphs, where neither peak holds the activations).
     """
     parts = {p: b.to_dict() for p, b in breakdowns.items() if isinstance(b, MemoryBreakdown)}
     rows = [(key, name) for key, name in MEMORY_ROWS if any(d[key] is not None for d in parts.values())]
     timed = {p: t for p, t in (timed_peaks or {}).items() if p in parts and parts[p]["peak_mb"] and t}
-    width = max([16 if timed else 9] + [len(p) for p in breakdowns])
     label = max(len(name) for _, name in MEMORY_ROWS)
 
     def cell(precision: str, key: str) -> str:
         value = parts[precision][key] if precision in parts else None
         return "" if value is None else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
+    def against(p: str) -> str:
+        return f"{timed[p]:.1f} ({100 * (parts[p]['peak_mb'] / timed[p] - 1):+.1f}%)" if p in timed else ""
+
+    width = max([9] + [len(p) for p in breakdowns] + [len(against(p)) for p in breakdowns]
+                + [len(cell(p, key)) for p in breakdowns for key, _ in rows])
+
     lines = [f"\nwhere the memory goes (batch {batch_size}), MB, read between a step's backward and its optimizer step:",
              f"{'':>{label}} | " + " | ".join(f"{p:>{width}}" for p in breakdowns)]
     lines += [f"{name:>{label}} | " + " | ".join(f"{cell(p, key):>{width}}" for p in breakdowns) for key, name in rows]
     if timed:
-        def against(p: str) -> str:
-            return f"{timed[p]:.1f} ({100 * (parts[p]['peak_mb'] / timed[p] - 1):+.1f}%)" if p in timed else ""
         lines.append(f"{'timed peak':>{label}} | " + " | ".join(f"{against(p):>{width}}" for p in breakdowns))
     lines += [f"{p}: {b}" for p, b in breakdowns.items() if not isinstance(b, MemoryBreakdown)]
     if any(d["peak_mb"] is not None for d in parts.values()):

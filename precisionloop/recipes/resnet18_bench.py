@@ -42,6 +42,7 @@ from precisionloop.tuning import default_candidates, tunable_precisions
 from precisionloop.measure import (Measurement, Run, format_memory, format_ratio, format_time, interleaved, memory_kind,
                                    noisy_legend, paired_ratio, reset_memory)
 from precisionloop.policy import PrecisionPolicy
+from precisionloop.prepare import compile_mode
 from precisionloop.recipes import loader_bench, max_batch, models, timing
 from precisionloop.recipes.memory_report import format_memory_table, memory_legend
 
@@ -563,6 +564,13 @@ def header(args: argparse.Namespace, env: dict) -> str:
                                                   for p in args.precisions}))
 
 
+def graphed(precision: str, args, device: torch.device) -> bool:
+    """Whether ``precision``'s steps replay CUDA graphs, where neither the breakdown's peak nor the timed one holds
+    the activations (so the two are not compared)."""
+    mode = compile_mode(compile_for(policy_for(precision, args), args, device), device)
+    return device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
+
+
 def memory_of(precision: str, batch_size: int, args, device: torch.device) -> MemoryBreakdown:
     """The memory breakdown of a fresh Trainer at ``precision``, as the timed systems build it, read during a step.
 
@@ -634,7 +642,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         say("\n" + format_wrapper_cost(results))
     memory = memory_breakdowns(args, device) if args.memory_table else {}
     timed_peaks = {r.precision: r.peak_mb for r in results if r.system == "precisionloop" and r.memory_kind == "MB"
-                   and r.batch_size == max(args.batch_sizes) and r.peak_mb}
+                   and r.batch_size == max(args.batch_sizes) and r.peak_mb and not graphed(r.precision, args, device)}
     if memory:
         say(format_memory_table(memory, max(args.batch_sizes), timed_peaks))
     if args.max_batch:
