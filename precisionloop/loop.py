@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import time
 import types
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -25,6 +27,7 @@ from . import checkpoint, diagnostics
 from . import distributed as _dist
 from . import feed
 from .batches import batch_size
+from .engine import LossNotScalar
 from .checks import check_callbacks, check_directory, check_flag, check_int, check_loader, check_loggers, is_plateau, length
 
 __all__ = ["LoopState", "FitOptions", "fit", "evaluate"]
@@ -89,6 +92,9 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
     if val_loader is not None:
         check_loader("val_loader", val_loader, pairs)
     metrics = check_metrics(metrics, val_loader)
+    epochs_left = options.epochs - trainer.loop_state.epoch
+    for name, loader in (("train_loader", train_loader), ("val_loader", val_loader)):
+        _check_generator(name, loader, epochs_left if options.max_steps is None else 1)
     if is_plateau(trainer.scheduler) and val_loader is None:
         raise ValueError("the scheduler is a ReduceLROnPlateau, which fit steps with the validation loss at each "
                          "epoch's end: pass a val_loader, or step it yourself around trainer.step")
@@ -101,6 +107,10 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
     engine, state = trainer.engine, trainer.loop_state
     engine.probe = _underflow_probe(trainer, options.underflow_every) if options.underflow_every else None
     history, warned = [], False
+    if epochs_left <= 0 and not options.reached(engine.global_step):
+        warnings.warn(f"fit(epochs={options.epochs}) has nothing to do: {state.epoch} epochs are done already "
+                      "(epochs counts every epoch, restored ones included); pass a larger epochs to train on",
+                      UserWarning, stacklevel=3)
     try:
         while state.epoch < options.epochs and not options.reached(engine.global_step):
             record = _run_epoch(trainer, train_loader, options)
@@ -124,6 +134,18 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
         log.info("fit: %d optimizer steps, %d skipped (%.2f%%)%s", stats.steps, stats.skipped,
                  100 * stats.skipped / stats.steps, f", loss scale {stats.scale:g}" if stats.scale is not None else "")
     return history
+
+
+def _check_generator(name: str, loader: Any, epochs: int) -> None:
+    """Refuse a generator that is spent, or that fit would need for more than one epoch (no ``max_steps``)."""
+    if not inspect.isgenerator(loader):
+        return
+    if inspect.getgeneratorstate(loader) == inspect.GEN_CLOSED:
+        raise ValueError(f"{name} is a generator that is already spent: it yields no more batches. Pass a list or a "
+                         "DataLoader, which start again each epoch")
+    if epochs > 1:
+        raise ValueError(f"{name} is a generator, which can be iterated once only, and fit has {epochs} epochs to "
+                         "run: pass a list or a DataLoader, which start again each epoch, or fit one epoch at a time")
 
 
 DATA_WARNING = 0.3
@@ -398,7 +420,7 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
                     continue  # an empty batch has no loss to average in
                 batch = trainer._on_device(batch)
                 with trainer.policy.autocast(device.type):
-                    loss, outputs, targets = trainer._evaluation_step(batch, bool(metrics))
+                    loss, outputs, targets = _evaluation_step(trainer, batch, bool(metrics))
                 n = n or 1
                 loss_sum += loss.float() * n
                 count += n
@@ -410,9 +432,10 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
             totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), torch.tensor(float(count), device=device),
                                                         torch.tensor(float(seen), device=device)]))
             loss_sum, count, seen = totals[0], int(totals[1]), int(totals[2])
-        if seen == 0:  # on every rank alike: the counts were summed
-            raise ValueError("the validation loader yielded no batches, so there is no loss to report (a generator can "
-                             "be iterated once only: pass a list or a DataLoader, which start again each epoch)")
+        if count == 0:  # on every rank alike: the counts were summed
+            raise ValueError("the validation loader yielded no batches, so there is no loss to report (a spent "
+                             "generator, or a loader over an empty dataset)" if seen == 0 else
+                             f"every one of the validation loader's {seen} batches is empty (size 0): no loss to report")
         # torchmetrics syncs each metric's state across ranks in compute().
         result = {"val_loss": float(loss_sum) / count if count else float("nan")}
         for name, metric in metrics.items():
@@ -423,6 +446,26 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
         return result
     finally:
         model.train(was_training)
+
+
+def _evaluation_step(trainer, batch: Any, need_outputs: bool) -> tuple[torch.Tensor, Any, Any]:
+    """Loss, outputs and targets for validation, through the same override points as training."""
+    if not trainer.overrides("compute_loss"):  # one forward gives both
+        outputs, targets = trainer.forward_batch(batch)
+        loss = trainer.loss_fn(outputs, targets)
+    else:
+        loss, outputs, targets = trainer.compute_loss(batch), None, None
+        if need_outputs:  # an overridden compute_loss defines the loss; metrics still need forward_batch's outputs
+            try:
+                outputs, targets = trainer.forward_batch(batch)
+            except TypeError as e:
+                if trainer.overrides("forward_batch"):
+                    raise
+                raise TypeError(f"{e}. The metrics are computed from forward_batch's (outputs, targets): with "
+                                "compute_loss overridden, override forward_batch too, or pass no metrics") from None
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise LossNotScalar(loss)
+    return loss, outputs, targets
 
 
 def check_metrics(metrics: Mapping[str, Any] | None, loader: Iterable | None) -> dict[str, Any]:

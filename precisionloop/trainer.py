@@ -176,16 +176,11 @@ class Trainer:
 
     def takes_pairs(self) -> bool:
         """Whether batches are ``(inputs, targets)``: neither ``forward_batch`` nor ``compute_loss`` is overridden."""
-        return type(self).compute_loss is Trainer.compute_loss and type(self).forward_batch is Trainer.forward_batch
+        return not (self.overrides("compute_loss") or self.overrides("forward_batch"))
 
-    def _evaluation_step(self, batch: Any, need_outputs: bool) -> tuple[torch.Tensor, Any, Any]:
-        """Loss, outputs and targets for validation, through the same override points as training."""
-        if type(self).compute_loss is Trainer.compute_loss:  # one forward gives both
-            outputs, targets = self.forward_batch(batch)
-            return self.loss_fn(outputs, targets), outputs, targets
-        loss = self.compute_loss(batch)
-        # An overridden compute_loss defines the loss; metrics still need forward_batch's outputs.
-        return (loss, *self.forward_batch(batch)) if need_outputs else (loss, None, None)
+    def overrides(self, name: str) -> bool:
+        """Whether this Trainer's class overrides the method ``name`` (``"forward_batch"``, ``"compute_loss"``)."""
+        return getattr(type(self), name) is not getattr(Trainer, name)
 
     def step(self, batch: Any) -> StepResult:
         """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.

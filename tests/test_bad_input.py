@@ -405,21 +405,65 @@ def test_a_train_loader_with_no_batches_is_refused_before_anything_changes(loade
     assert same_params(m, before) and t.epoch == 0 and t.global_step == 0
 
 
-def test_a_spent_generator_is_refused_at_the_epoch_it_yields_nothing():
+def test_a_generator_is_refused_up_front_when_spent_or_needed_for_several_epochs():
     m, t = mk()
-    history = []
-    with pytest.raises(ValueError, match="yielded no batches in epoch 2: nothing was trained"):
-        history = t.fit((batch(2) for _ in range(3)), epochs=2, progress=False)
-    assert history == [] and t.epoch == 1 and t.global_step == 3  # the first epoch trained and counts
+    before = params_of(m)
+    with pytest.raises(ValueError, match="train_loader is a generator, which can be iterated once only, and fit has 2"):
+        t.fit((batch(2) for _ in range(3)), epochs=2, progress=False)
+    with pytest.raises(ValueError, match="val_loader is a generator, which can be iterated once only"):
+        t.fit([batch(2)], epochs=2, val_loader=(batch(2) for _ in range(3)), progress=False)
+    spent = (batch(2) for _ in range(1))
+    list(spent)
+    with pytest.raises(ValueError, match="train_loader is a generator that is already spent"):
+        t.fit(spent, epochs=1, progress=False)
+    assert same_params(m, before) and t.epoch == 0 and t.global_step == 0
+    assert t.fit((batch(2) for _ in range(3)), epochs=1, progress=False)[0]["steps"] == 3  # one epoch is fine
+    assert t.fit((batch(2) for _ in range(9)), epochs=5, max_steps=5, progress=False)  # max_steps ends it first
+
+
+def test_an_epoch_whose_loader_yields_nothing_is_refused():
+    class Empty:  # an iterable without a length that yields nothing, each epoch
+        def __iter__(self):
+            return iter(())
+
+    m, t = mk()
+    with pytest.raises(ValueError, match="yielded no batches in epoch 1: nothing was trained"):
+        t.fit(Empty(), epochs=1, progress=False)
+    assert t.epoch == 0 and t.global_step == 0
+
+
+def test_fit_says_so_when_its_epochs_are_already_done():
+    m, t = mk()
+    t.fit([batch(2)], epochs=1, progress=False)
+    with pytest.warns(UserWarning, match=r"fit\(epochs=1\) has nothing to do: 1 epochs are done already"):
+        assert t.fit([batch(2)], epochs=1, progress=False) == []
 
 
 def test_a_validation_loader_that_yields_nothing_is_refused_not_reported_as_nan():
     m, t = mk()
     with pytest.raises(ValueError, match="validation loader yielded no batches"):
         t.evaluate(b for b in [])
-    spent = (batch(2) for _ in range(2))
-    with pytest.raises(ValueError, match="validation loader yielded no batches"):
-        t.fit([batch(2)], epochs=2, val_loader=spent, progress=False)  # the generator is spent after epoch 1
+    with pytest.raises(ValueError, match="every one of the validation loader's 2 batches is empty"):
+        t.evaluate([(torch.randn(0, 8), torch.randint(0, 3, (0,)))] * 2)
+    model = net()
+    per_sample = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu",
+                         loss_fn=nn.CrossEntropyLoss(reduction="none"))
+    with pytest.raises(ValueError, match="not a scalar"):
+        per_sample.evaluate([batch(2)])
+
+
+def test_metrics_with_only_compute_loss_overridden_say_that_forward_batch_is_needed():
+    class DictLoss(Trainer):
+        def compute_loss(self, batch):
+            return nn.functional.cross_entropy(self.model(batch["x"]), batch["y"])
+
+    model = net()
+    t = DictLoss(model, torch.optim.SGD(model.parameters(), lr=0.1), device="cpu")
+    x, y = batch(2)
+    from torchmetrics.classification import MulticlassAccuracy
+
+    with pytest.raises(TypeError, match="override forward_batch too, or pass no metrics"):
+        t.evaluate([{"x": x, "y": y}], metrics={"acc": MulticlassAccuracy(num_classes=3)})
 
 
 def test_fit_trains_over_a_dataloader_of_an_iterable_dataset_without_a_length():
