@@ -122,6 +122,8 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
                     trainer.scheduler.step(record["val_loss"])
                 else:
                     trainer.scheduler.step()
+            if record["complete"]:  # counted only now: a validation that fails leaves the epoch's end to the next fit
+                state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
             history.append(record)
             warned = _log_epoch(record, options, trainer.global_step, warned)
             for cb in options.callbacks:
@@ -269,9 +271,7 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
                 _after_step(trainer, result, options, totals)
     if totals.count == 0 and resume_at == 0:  # an epoch counted as trained with nothing trained would mislead
         raise ValueError(f"train_loader yielded no batches in epoch {state.epoch + 1}: nothing was trained (a "
-                         "generator can be iterated once only: pass a list or a DataLoader, which start again each epoch)")
-    if complete:
-        state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
+                         "loader over an empty dataset?)")
     return totals.record(trainer, complete)
 
 
@@ -351,7 +351,7 @@ class _EpochTotals:
         measured = trainer.underflow_history[self.measured_before:]
         underflow = {k: measured[-1][k] for k in ("underflow", "underflow_scaled")} if measured else {}
         return {
-            "epoch": state.epoch if complete else state.epoch + 1,
+            "epoch": state.epoch + 1,  # fit counts a complete epoch after its validation
             "complete": complete,
             "train_loss": float(loss_sum) / count if count else float("nan"),
             "steps": trainer.global_step - self.steps_before,

@@ -222,6 +222,28 @@ def test_an_epoch_scheduler_steps_once_per_epoch_of_fit():
     assert trainer.optimizer.param_groups[0]["lr"] == 0.125 and trainer.scheduler.last_epoch == 3
 
 
+def test_a_validation_interrupted_at_an_epochs_end_leaves_that_epoch_to_the_next_fit():
+    """The epoch was counted before its validation: an interrupted validation lost that epoch's scheduler step."""
+    trainer = _scheduled("epoch")
+    loader = DataLoader(dataset(), batch_size=4)
+    calls = {"n": 0}
+
+    class InterruptOnce:  # a validation loader whose first pass is interrupted
+        def __iter__(self):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise KeyboardInterrupt
+            return iter(loader)
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(loader, epochs=3, val_loader=InterruptOnce(), progress=False)
+    assert trainer.epoch == 0 and trainer.global_step == 10 and trainer.scheduler.last_epoch == 0
+    history = trainer.fit(loader, epochs=3, val_loader=InterruptOnce(), progress=False)
+    assert [r["epoch"] for r in history] == [1, 2, 3] and [r["steps"] for r in history] == [0, 10, 10]
+    assert all(math.isfinite(r["val_loss"]) for r in history)
+    assert trainer.optimizer.param_groups[0]["lr"] == 0.125 and trainer.scheduler.last_epoch == 3  # as uninterrupted
+
+
 def test_a_step_scheduler_steps_after_every_optimizer_step():
     trainer = _scheduled("step")
     trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, progress=False)
