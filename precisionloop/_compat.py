@@ -29,8 +29,11 @@ def forget_unscale(scaler: torch.amp.GradScaler) -> None:
 
 
 def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Sets ``found_inf`` to 1 if any gradient holds an inf or NaN, from their inf-norms: for the dtypes that the fused
-    check does not take on CUDA (bf16)."""
+    """Sets ``found_inf`` to 1 if any gradient holds an inf or NaN, from their inf-norms.
+
+    torch's foreach norm reads each gradient once and writes nothing back, in a few launches for any number of
+    tensors; GradScaler's fused check, even with a scale of one, writes every gradient back.
+    """
     grads = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined; it holds no inf anyway
     if grads:
         found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
@@ -40,11 +43,6 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> dict:
     """``{(device, dtype): ([tensors], [])}``: torch's own grouping for foreach kernels, done in C++."""
     return torch._C._group_tensors_by_device_and_dtype([tensors], False)
-
-
-def non_finite_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """GradScaler's fused check: sets ``found_inf`` to 1 if any gradient is inf/NaN, and multiplies by ``inv_scale``."""
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
 def compiled_original(module: nn.Module) -> nn.Module | None:

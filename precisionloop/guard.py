@@ -190,10 +190,6 @@ class ScalerGuard:
             self.scaler.load_state_dict(state)
 
 
-# The dtypes that torch's fused check takes on every device; bf16 gradients (pure bf16) are checked by their inf-norms.
-_FUSED_CHECK_DTYPES = (torch.float32, torch.float16, torch.float64)
-
-
 class FiniteGuard:
     """No loss scale; a step whose gradients hold an inf or NaN is skipped.
 
@@ -207,23 +203,22 @@ class FiniteGuard:
     def __init__(self, all_reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.all_reduce_max = all_reduce_max
         self._first = _FirstStepCheck()
-        self._ones: dict[torch.device, torch.Tensor] = {}  # the inverse scale of one, read-only, per device
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The inf/NaN verdict of ``grads`` as a device tensor, 0 or 1: torch's fused check per (device, dtype) group,
-        with an inverse scale of one (bf16 groups by their inf-norms); shards (FSDP2's DTensors) and sparse gradients are
-        checked by their local values. The verdicts meet on the first gradient's device, then are agreed across ranks."""
+        """The inf/NaN verdict of ``grads`` as a device tensor, 0 or 1, from each (device, dtype) group's inf-norms.
+
+        The norms read the gradients only (GradScaler's fused check, with an inverse scale of one, also writes each
+        one back, and takes no bf16 on CUDA). Shards (FSDP2's DTensors) and sparse gradients are checked by their
+        local values. The verdicts meet on the first gradient's device, then are agreed across ranks.
+        """
         grads = [_compat.dense_values(g) for g in grads]
         found = self._zero_on(grads[0].device if grads else torch.device("cpu"))
         for (where, dtype), (tensors, _) in _compat.group_by_device_and_dtype(grads).items():
             here = found if where == found.device else self._zero_on(where)
-            if dtype in _FUSED_CHECK_DTYPES:
-                _compat.non_finite_check_(tensors[0], here, self._one_on(where))
-            else:
-                _compat.non_finite_any_(tensors[0], here)
+            _compat.non_finite_any_(tensors[0], here)
             if here is not found:  # 1, not a sum: a fused optimizer skips only when the verdict is exactly 1
                 torch.maximum(found, here.to(found.device), out=found)
         if self.all_reduce_max is not None:
@@ -232,14 +227,8 @@ class FiniteGuard:
 
     @staticmethod
     def _zero_on(device: torch.device) -> torch.Tensor:
-        # fp32 explicitly: the fused check rejects other dtypes, whatever torch's default dtype is.
+        # fp32 explicitly, as GradScaler's found_inf is: what fused optimizers take, whatever the default dtype is.
         return torch.zeros((), dtype=torch.float32, device=device)
-
-    def _one_on(self, device: torch.device) -> torch.Tensor:
-        ones = self._ones.get(device)
-        if ones is None:
-            ones = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
-        return ones
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         _step_under_verdict(optimizer, found_inf, self._first)

@@ -36,16 +36,6 @@ def test_scaler_scale_tensor_is_the_scale_on_the_device():
     assert isinstance(scale, torch.Tensor) and scale.item() == 8.0 == scaler.get_scale()
 
 
-def test_non_finite_check_sets_found_and_multiplies():
-    grads = [torch.tensor([1.0, 2.0]), torch.tensor([float("nan")])]
-    found = torch.zeros(())
-    _compat.non_finite_check_(grads, found, torch.full((), 0.5))
-    assert found.item() == 1.0 and grads[0].tolist() == [0.5, 1.0]
-    clean, found = [torch.tensor([4.0])], torch.zeros(())
-    _compat.non_finite_check_(clean, found, torch.ones(()))
-    assert found.item() == 0.0 and clean[0].item() == 4.0
-
-
 def test_group_by_device_and_dtype_keeps_each_dtype_apart_in_order():
     a, b, c = torch.ones(2), torch.ones(3, dtype=torch.float64), torch.zeros(1)
     groups = _compat.group_by_device_and_dtype([a, b, c])

@@ -88,7 +88,7 @@ def test_a_scale_that_rounds_to_zero_in_fp32_never_reaches_a_step():
     with pytest.raises(ValueError, match="init_scale"):
         FP16Policy(init_scale=1e-50)
     grads, found = [torch.zeros(3)], torch.zeros(())
-    _compat.non_finite_check_(grads, found, torch.tensor(float("inf")))
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.tensor(float("inf")))
     assert grads[0].isnan().all() and found.item() == 0  # torch's behaviour the range check guards against
     assert FP16Policy(init_scale=torch.finfo(torch.float32).tiny).init_scale > 0  # the range's ends are accepted
     assert FP16Policy(init_scale=torch.finfo(torch.float32).max, growth_interval=2**31 - 1).growth_interval == 2**31 - 1

@@ -134,6 +134,35 @@ def test_a_non_finite_sparse_gradient_among_dense_ones_is_caught():
     assert guard.unscale_(None, dense).item() == 0
 
 
+def test_the_check_without_a_loss_scale_reads_the_gradients_and_writes_none_back():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from precisionloop.guard import FiniteGuard
+
+    class Writes(TorchDispatchMode):  # every op that writes into one of the gradients
+        def __init__(self, grads):
+            super().__init__()
+            self.ids, self.seen = {id(g) for g in grads}, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            for arg, value in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in
+                                                                        func._schema.arguments[len(args):]]):
+                values = value if isinstance(value, (list, tuple)) else [value]
+                if arg.alias_info is not None and arg.alias_info.is_write and any(id(v) in self.ids for v in values):
+                    self.seen.append(str(func))
+            return func(*args, **kwargs)
+
+    grads = [torch.randn(5), torch.randn(4, 3), torch.randn(2, dtype=torch.float64), torch.randn(3, dtype=torch.bfloat16)]
+    grads[1][2, 1] = float("nan")
+    with Writes(grads) as writes:
+        found = FiniteGuard().unscale_(None, grads)
+    assert found.item() == 1.0 and writes.seen == []
+    with Writes(grads) as control:  # the mode sees a write when there is one
+        torch._amp_foreach_non_finite_check_and_unscale_(grads[:2], torch.zeros(()), torch.ones(()))
+    assert control.seen
+
+
 @pytest.mark.parametrize("nonfinite", [(0,), (1,), (2,), (0, 1), (0, 1, 2), (1, 2)])
 def test_the_verdict_over_several_dtypes_is_exactly_one_so_a_fused_optimizer_skips(nonfinite):
     from precisionloop.guard import FiniteGuard
