@@ -142,14 +142,15 @@ def test_the_check_without_a_loss_scale_reads_the_gradients_and_writes_none_back
     class Writes(TorchDispatchMode):  # every op that writes into one of the gradients
         def __init__(self, grads):
             super().__init__()
-            self.ids, self.seen = {id(g) for g in grads}, []
+            self.storages, self.seen = {g.untyped_storage().data_ptr() for g in grads}, []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             for arg, value in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in
                                                                         func._schema.arguments[len(args):]]):
                 values = value if isinstance(value, (list, tuple)) else [value]
-                if arg.alias_info is not None and arg.alias_info.is_write and any(id(v) in self.ids for v in values):
+                if arg.alias_info is not None and arg.alias_info.is_write and any(  # views and .data too
+                        isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in self.storages for v in values):
                     self.seen.append(str(func))
             return func(*args, **kwargs)
 
