@@ -1,10 +1,8 @@
 """Keep chosen submodules in float32 while the rest of the model runs under autocast.
 
-A policy's ``keep_fp32`` names modules (by class or name pattern) whose forward must not run in bf16/fp16.
-:func:`keep_fp32_` replaces each such instance's ``forward`` with :class:`_FP32Forward`, which turns autocast
-off and casts sub-fp32 inputs to float32. No module or hook is added, so ``state_dict`` keys, ``repr`` and
-``type(module)`` (which FSDP2's ``fully_shard`` swaps) are unchanged; an exception cannot leave autocast off;
-holding the module, not a bound method, keeps deepcopy and pickling working; dynamo traces it without a break.
+:func:`keep_fp32_` replaces each kept instance's ``forward`` with :class:`_FP32Forward`. No module or hook is
+added, so ``state_dict`` keys, ``repr`` and ``type(module)`` (which FSDP2's ``fully_shard`` swaps) are unchanged;
+an exception cannot leave autocast off; dynamo traces it without a graph break.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ def select_modules(model: nn.Module, entries: Any) -> list[tuple[str, nn.Module]
     matching nothing is almost always a typo. A ModuleList or ModuleDict stands for the modules it holds.
 
     Raises:
-        TypeError, ValueError: as :func:`validate_keep_fp32`; ValueError also for a pattern that matches no
-            module, listing close names.
+        TypeError, ValueError: as :func:`validate_keep_fp32`; ValueError also for a pattern that matches no module.
     """
     entries = validate_keep_fp32(entries)
     classes = tuple(e for e in entries if isinstance(e, type))
@@ -157,8 +154,8 @@ def entry_names(entries: tuple) -> list[str]:
 class _FP32Forward:
     """The replacement ``forward`` of one kept module: autocast off, fp32 inputs.
 
-    It holds the module (a cycle deepcopy and pickle handle) and the instance's own earlier ``forward``, if
-    any; otherwise it calls the class's, looked up at call time so that FSDP2's class swap is honoured.
+    It holds the module, not a bound method (a cycle deepcopy and pickle handle), and the instance's own earlier
+    ``forward``, if any; otherwise it calls the class's, looked up at call time so that FSDP2's class swap is honoured.
     """
 
     def __init__(self, module: nn.Module):

@@ -1,7 +1,6 @@
 """Precision policies: the compute dtype, the gradient guard and the backend flags of a training step.
 
-A policy is a frozen dataclass; the Trainer only asks it (see :class:`PrecisionPolicy`). Precision
-strings are parsed in :mod:`precisionloop.precisions`, nowhere else.
+Precision strings are parsed in :mod:`precisionloop.precisions`, nowhere else.
 """
 
 from __future__ import annotations
@@ -26,24 +25,21 @@ __all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "BF16PurePolicy", "FP1
 class PrecisionPolicy:
     """An immutable description of how a training step handles precision.
 
-    The Trainer reaches a policy only through ``autocast``, ``make_guard`` (built
-    from ``make_scaler``), ``backend_flags``, ``check_model``, ``check_weights``, ``check_compile``, ``prepare_model``,
-    ``check_sharding`` and ``prepare_sharding`` (FSDP2 only), ``optimizer_step_hook`` and ``memory_format``,
-    plus the attributes ``name``, ``compute_dtype`` and ``keep_fp32``. Subclass it (or
-    one of the concrete policies) to support custom hardware.
+    The Trainer reaches a policy only through its methods and the attributes ``name``, ``compute_dtype`` and
+    ``keep_fp32``: subclass it (or a concrete policy) to support custom hardware.
 
     Args:
         tf32: let fp32 matmuls and convolutions use TF32 tensor cores on CUDA.
         cudnn_benchmark: autotune cuDNN algorithms; ``None`` follows ``tf32``.
-        channels_last: ``None`` puts models with 2-D convolutions into
-            channels_last on CUDA only; ``True`` always; ``False`` never.
-        keep_fp32: modules to run in fp32 under autocast: module classes (matched with
+        channels_last: ``None`` puts models with 2-D convolutions into channels_last on CUDA only; ``True``
+            always; ``False`` never.
+        keep_fp32: modules to run in fp32 (autocast off, fp32 inputs and outputs): module classes (matched with
             isinstance) or name patterns (fnmatch over ``model.named_modules()`` names).
-            A kept module runs with autocast off, on fp32 inputs, and gives fp32 outputs.
         note: why this policy was chosen (filled in by ``get_policy("auto")``).
 
     Raises:
         TypeError: a ``keep_fp32`` entry is neither a module class nor a string.
+        ValueError: a flag is not a bool (or ``None`` where allowed), or a ``keep_fp32`` pattern is empty.
 
     Example:
         >>> import torch
@@ -118,9 +114,9 @@ class PrecisionPolicy:
         refuse_fp8_layers(inner)
 
     def check_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Raise, before anything changes, if the parameters' dtypes (or the optimizer) do not suit this policy.
+        """Raise, before anything changes, if the weights' dtypes or the optimizer do not suit this policy.
 
-        The default wants fp32 master weights: precision comes down through autocast only.
+        The default wants fp32 master weights, with precision coming down through autocast only.
 
         Raises:
             ValueError: a floating-point parameter is not fp32 (the message names the parameters).
@@ -131,8 +127,7 @@ class PrecisionPolicy:
         """Check that the model's device supports this policy, convert its layout, keep ``keep_fp32`` modules fp32.
 
         Raises:
-            ValueError: the device cannot run ``compute_dtype`` natively, or a
-                ``keep_fp32`` pattern matches no module.
+            ValueError: the device cannot run ``compute_dtype`` natively, or a ``keep_fp32`` pattern matches no module.
         """
         device = next((p.device for p in model.parameters()), None)
         if device is not None:
@@ -146,8 +141,7 @@ class PrecisionPolicy:
     def prepare_sharding(self, model: nn.Module) -> nn.Module:
         """Ready the prepared model for FSDP2's ``fully_shard``, which comes next; unchanged by default.
 
-        It may replace parameters: ``distributed.wrap`` records the optimizer's parameters by name first,
-        and repoints the optimizer at the sharded ones afterwards.
+        It may replace parameters: the optimizer is repointed at the sharded ones by name afterwards.
 
         Args:
             model: the model ``prepare_model`` returned, not yet sharded.
@@ -165,12 +159,11 @@ class PrecisionPolicy:
         """
 
     def optimizer_step_hook(self, model: nn.Module) -> Callable[[], None] | None:
-        """What to run after each optimizer step (and after a checkpoint loads) on ``model``; None for nothing.
+        """What to run on ``model`` after each optimizer step (and after a checkpoint loads); None for nothing.
 
-        Asked once per configuration, so the per-step cost of None is one test. It runs after the
-        optimizer step, once ``global_step`` counts it, and after skipped steps too (the weights
-        did not change then; it must be harmless to run again). The step's verdict may not be
-        booked yet (on CUDA it is read later); ``trainer.stats`` books it, at the cost of a wait.
+        Asked once per configuration. It runs once ``global_step`` counts the step, after skipped steps too
+        (so it must be harmless to run again), and possibly before the step's verdict is booked (on CUDA it is
+        read later; ``trainer.stats`` waits for it).
 
         Args:
             model: the model as it trains (prepared, and wrapped or sharded if distributed).
@@ -201,12 +194,10 @@ class BF16Policy(PrecisionPolicy):
 class BF16PurePolicy(BF16Policy):
     """bf16 weights, gradients and optimizer update, with no fp32 master copy; ``keep_fp32`` modules stay fp32.
 
-    ``prepare_model`` casts the floating-point parameters and buffers of every module that ``keep_fp32``
-    does not keep to bf16, in place (the optimizer keeps its parameters). A bf16 weight rounded to nearest
-    loses every update smaller than half its last bit, so the optimizer must round its update
-    stochastically: it must say so with ``bf16_stochastic_round = True``, as torchao's optimizers do
-    (``torchao.optim._AdamW(params, bf16_stochastic_round=True)``, ``AdamW8bit(..., bf16_stochastic_round=True)``).
-    Autocast stays on, so the ops autocast keeps in fp32 (softmax, the losses) still run in fp32.
+    ``prepare_model`` casts the rest to bf16 in place (the optimizer keeps its parameters); autocast stays on,
+    so the ops it keeps in fp32 (softmax, the losses) still run in fp32. A bf16 weight rounded to nearest loses
+    updates smaller than half its last bit, so the optimizer must round stochastically and say so with
+    ``bf16_stochastic_round = True``, as torchao's do (``torchao.optim._AdamW(params, bf16_stochastic_round=True)``).
 
     Example:
         >>> import torch
@@ -247,7 +238,7 @@ class BF16PurePolicy(BF16Policy):
                 "or precision='bf16', which keeps fp32 master weights")
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """As :meth:`PrecisionPolicy.prepare_model`, then the floating parameters and buffers outside ``keep_fp32`` to bf16.
+        """As :meth:`PrecisionPolicy.prepare_model`, then cast the floating tensors outside ``keep_fp32`` to bf16.
 
         Raises:
             ValueError: as :meth:`PrecisionPolicy.prepare_model`.
@@ -263,10 +254,10 @@ def rounds_stochastically(optimizer: object) -> bool:
 
 
 def cast_outside_kept_(model: nn.Module, keep_fp32: tuple, dtype: torch.dtype) -> None:
-    """Cast the floating parameters and buffers of the modules ``keep_fp32`` does not keep to ``dtype``, in place.
+    """Cast the floating parameters and buffers outside ``keep_fp32`` to ``dtype`` in place, float64 ones too.
 
     A parameter keeps its identity (its ``data`` is replaced, as ``Module.to`` does), so an optimizer built on
-    it still holds it; float64 buffers are cast too, as ``Module.to`` would cast them.
+    it still holds it.
     """
     kept = {id(m) for _, outer in fp32_modules.select_modules(model, keep_fp32) for m in outer.modules()}
     with torch.no_grad():
@@ -340,8 +331,7 @@ _INT32_MAX = torch.iinfo(torch.int32).max
 def refuse_fp8_layers(model: nn.Module) -> None:
     """Refuse a model with layers an earlier fp8 policy converted: torchao's conversion cannot be undone.
 
-    Found by class name through the MRO, without importing torchao (FSDP2 swaps a sharded
-    module's class for a subclass).
+    Found by class name in the MRO (FSDP2 swaps a sharded module's class for a subclass), without importing torchao.
 
     Raises:
         ValueError: naming the converted layers.

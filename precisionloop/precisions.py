@@ -39,12 +39,10 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | to
     """Turn a precision spec into a policy.
 
     Args:
-        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"bf16-pure"`` (bf16 weights, no
-            fp32 master copy), ``"fp16"``, ``"fp8"``, ``"auto"``, an alias (float32, bfloat16, float16, half,
-            float8, 32, 16, 8, pure-bf16, and Lightning's ``"bf16-mixed"``/``"16-mixed"``/``"32-true"``), a torch
-            dtype, or a policy instance, which is returned unchanged.
-        device: the device that ``"auto"`` chooses for; the current CUDA device
-            or the CPU when ``None``.
+        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"bf16-pure"`` (bf16 weights, no fp32 master
+            copy), ``"fp16"``, ``"fp8"``, ``"auto"``, an alias (``"half"``, Lightning's ``"bf16-mixed"``, ...;
+            case-insensitive), a torch dtype, or a policy instance, which is returned unchanged.
+        device: the device that ``"auto"`` chooses for; the current CUDA device or the CPU when ``None``.
 
     Raises:
         ValueError: ``spec`` names no known precision, or ``device`` no device.

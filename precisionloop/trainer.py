@@ -64,8 +64,7 @@ class Trainer:
             scheduler; a ``ReduceLROnPlateau`` is always stepped by ``fit`` at each epoch's end with ``val_loss``.
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the unscaled gradients to this total norm.
-        max_consecutive_skips: raise after this many skipped steps in a row (on CUDA up to two steps later:
-            the verdict is read once its copy to the host has landed).
+        max_consecutive_skips: raise after this many skipped steps in a row (on CUDA up to two steps late).
         compile: ``torch.compile`` the forward and backward: ``True`` is ``"reduce-overhead"`` (CUDA graphs)
             on CUDA and ``"default"`` elsewhere; a string names the mode. The optimizer step stays eager.
         distributed: under torchrun, ``"auto"`` (several processes) and ``"ddp"`` wrap the model in DDP,
@@ -138,10 +137,9 @@ class Trainer:
                      f", {self.distributed} over {_dist.world_size()} processes" if self.distributed else "")
 
     def _configure(self, policy: PrecisionPolicy, mode: str | None, prepare: bool = True) -> None:
-        """Apply a policy (and compile mode): layout, compile, wrapping, gradient guard.
+        """Apply a policy and compile mode; fields change only once the policy has prepared the model.
 
-        The Trainer's own fields change only once the policy has prepared the model, so a policy
-        that refuses the model or its device leaves the Trainer as it was.
+        So a policy that refuses the model or its device leaves the Trainer as it was.
         """
         self.engine.sync()  # the old guard's verdict is booked under it, before anything changes
         model, input_format = self.model, torch.contiguous_format
@@ -185,9 +183,8 @@ class Trainer:
     def step(self, batch: Any) -> StepResult:
         """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.
 
-        It moves the batch to the device, enables grad, and leaves the model's train/eval mode and
-        the caller's backend flags as they were. With a fused optimizer it never waits for the step it
-        queues: the verdict is booked once it has landed on the host (``trainer.stats`` books it now).
+        It moves the batch to the device and enables grad, leaving train/eval mode and backend flags as they were.
+        With a fused optimizer it never waits for the step's verdict, booked once it reaches the host (or by ``stats``).
 
         Raises:
             ValueError: the batch is empty, or the loss is not a scalar (raised before backward; nothing is changed).
@@ -204,7 +201,7 @@ class Trainer:
             return self.engine.step(self._on_device(batch))
 
     def flush(self) -> StepResult | None:
-        """Take the optimizer step for an open accumulation window, its gradients averaged over its micro-batches.
+        """Take the optimizer step for an open accumulation window, its gradients averaged; None if none is open.
 
         The result's ``loss`` is NaN. As with ``step``, an exception discards the window.
         """
@@ -254,9 +251,8 @@ class Trainer:
             underflow_every: int | None = None, loggers: Sequence[Any] = (), device_feed: bool = True) -> list[dict]:
         """Train until ``epochs`` epochs (counting restored ones) or ``max_steps`` optimizer steps.
 
-        The model is put in train mode. An incomplete accumulation window at an epoch's end is stepped
-        (see :meth:`flush`); a ``ReduceLROnPlateau`` is stepped with ``val_loss`` after each epoch. A
-        step that fails or is interrupted discards its window, and the next ``fit`` replays it.
+        The model is put in train mode; an incomplete accumulation window at an epoch's end is stepped
+        (see :meth:`flush`). A step that fails or is interrupted discards its window; the next ``fit`` replays it.
 
         Args:
             train_loader: an iterable of batches, usually a DataLoader.
@@ -272,8 +268,7 @@ class Trainer:
             log_every: write to the loggers every this many optimizer steps (values of the last step booked), and
                 refresh the bar every this many micro-batches.
             underflow_every: measure gradient underflow every this many optimizer steps (:mod:`precisionloop.diagnostics`).
-            loggers: :mod:`precisionloop.loggers` (or any object with ``log_metrics(metrics, step)``), written
-                every ``log_every`` optimizer steps and at each epoch's end.
+            loggers: :mod:`precisionloop.loggers` or objects with ``log_metrics(metrics, step)``, also at epoch ends.
             device_feed: on CUDA, copy each batch on a side stream, beside the step before it; no effect on the CPU.
 
         Returns:
