@@ -1,7 +1,6 @@
 """Every private torch API precisionloop relies on, each behind one small function.
 
-A torch upgrade that renames or changes one of these breaks exactly one function here,
-and ``tests/test_compat.py`` pins each of them, so the break is loud, not silent.
+A torch upgrade that changes one breaks exactly one function here, loudly: ``tests/test_compat.py`` pins each of them.
 """
 
 from __future__ import annotations
@@ -65,8 +64,7 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 def step_with_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
     """Step a fused optimizer with ``found_inf`` as its verdict: it skips the update on the device when set.
 
-    This is the contract GradScaler uses with fused optimizers: ``grad_scale`` and
-    ``found_inf`` attributes read by ``step``. They are removed again afterwards.
+    GradScaler's contract with fused optimizers: ``step`` reads their ``grad_scale`` and ``found_inf`` attributes.
     """
     optimizer.grad_scale, optimizer.found_inf = None, found_inf
     try:

@@ -449,9 +449,8 @@ def check_scaler(state: dict, guard: Any, source: str) -> None:
 def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
     """Per-parameter state tensors whose shapes could not step the parameter, and hyperparameters of another kind.
 
-    A tensor is compared with the live optimizer's state for it when there is one; otherwise, for torch's own
-    optimizers, it must broadcast to its parameter (Adafactor keeps a row and a column). Other optimizers may
-    keep state of any shape (preconditioners, quantised blocks).
+    A tensor is compared with the live optimizer's state for it where there is one; else, for torch's own optimizers,
+    it must broadcast to its parameter (Adafactor keeps a row and a column). Others may keep state of any shape.
     """
     params = dict(_dist.unwrap(model).named_parameters())
     builtin = type(optimizer).__module__.startswith("torch.optim")

@@ -1,11 +1,8 @@
-"""The training step: forward and loss under autocast, backward, and every ``grad_accum_steps``
-micro-batches one optimizer step behind the policy's gradient guard.
+"""The training step: forward and loss under autocast, backward, and every ``grad_accum_steps`` micro-batches one
+optimizer step behind the policy's gradient guard, which owns loss scaling and the inf/NaN verdict for every precision.
 
-One code path serves every precision: the guard (:mod:`precisionloop.guard`) owns loss scaling
-and the inf/NaN verdict. Each optimizer step's verdict (found inf, loss, scale) stays on the device
-and is copied to the host without blocking; it is booked (counters, scheduler, skip limit) once the
-copy has landed, at the latest two optimizer steps on; with a scheduler at the next optimizer step;
-on the CPU at once. So a fused optimizer never waits for the step it has just queued.
+Each optimizer step's verdict (found inf, loss, scale) stays on the device and is copied to the host without blocking,
+then booked later (see :meth:`StepEngine.optimizer_step`), so a fused optimizer never waits for the step just queued.
 """
 
 from __future__ import annotations
@@ -40,10 +37,9 @@ class LossNotScalar(ValueError):
 
 
 class _HostCopy:
-    """A step's verdict row on its way to the host: a non-blocking copy and an event after it (CUDA only).
+    """A step's verdict row on its way to the host: a non-blocking copy and an event after it; off CUDA, the row itself.
 
-    torch puts a non-blocking copy to the CPU in pinned memory from its caching host allocator. Elsewhere the
-    row is its own host copy, booked at once.
+    torch puts a non-blocking copy to the CPU in pinned memory from its caching host allocator.
     """
 
     __slots__ = ("values", "event")
@@ -69,10 +65,9 @@ class _HostCopy:
 class StepEngine:
     """Accumulation, the guarded optimizer step, clipping, the verdict's booking and the skip limit.
 
-    ``compute_loss(batch)`` computes one micro-batch's loss; it runs under the policy's autocast.
-    ``probe``, when set, is called with the optimizer step's number after the gradients are
-    unscaled and before they are clipped (fit's underflow telemetry). ``after_step``, the policy's
-    ``optimizer_step_hook``, runs after each optimizer step (fp8 all-gather's scales).
+    ``compute_loss(batch)`` computes one micro-batch's loss, under the policy's autocast. ``probe``, when set, is
+    called with the optimizer step's number after the gradients are unscaled and before they are clipped (fit's
+    underflow telemetry). ``after_step``, the policy's ``optimizer_step_hook``, runs after each optimizer step.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
@@ -112,8 +107,7 @@ class StepEngine:
     def step(self, batch: Any) -> StepResult:
         """One micro-batch: forward and backward, then the optimizer step if the window is full.
 
-        An exception (a Ctrl-C too) discards the open accumulation window, so no partial
-        gradient leaks into the next step.
+        An exception (a Ctrl-C too) discards the open accumulation window: no partial gradient leaks into the next step.
         """
         try:
             with torch.enable_grad():  # a step under the caller's no_grad() still trains

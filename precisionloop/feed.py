@@ -1,11 +1,10 @@
 """The device feed: each batch copied to a CUDA device on a side stream, so the copy runs beside the step before it.
 
-``fit`` takes the next batch from the loader only once the current step is queued: with no host sync in the
-step (a fused optimizer) the GPU is still computing that step while the host waits for the loader and issues
-the copy, which on a side stream does not queue behind the step. The loader is never read ahead of ``fit``, so a
-checkpoint's batch count and RNG state describe the same point of the data, a stop leaves no batch behind, and
-no state outlives an exception. On the consuming stream the step waits for the copy, and each tensor is
-recorded on that stream so that the caching allocator reuses its memory only after the step is done with it.
+``fit`` takes the next batch only once the current step is queued: with no host sync in the step (a fused optimizer)
+the GPU is still computing it while the host waits for the loader and issues the copy, which on a side stream does
+not queue behind the step. The loader is never read ahead, so a checkpoint's batch count and RNG state describe the
+same point of the data, a stop leaves no batch behind, and no state outlives an exception. The step's stream waits
+for the copy, and each tensor is recorded there, so the caching allocator reuses its memory only after the step.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """fp8 training through torchao: the requirements, and which ``nn.Linear`` layers to convert.
 
-torchao is optional (``pip install "precisionloop[fp8]"``) and imported only when an fp8 policy prepares a
-model. torchao's ``Float8Linear`` keeps ``nn.Linear``'s ``weight``/``bias`` names, so checkpoints move between
-fp8 and bf16/fp32 runs.
+torchao is optional (``pip install "precisionloop[fp8]"``) and imported only when an fp8 policy prepares a model.
+Its ``Float8Linear`` keeps ``nn.Linear``'s ``weight``/``bias`` names, so checkpoints move between fp8 and bf16/fp32.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def require_torchao():
 
 
 def check_device(device: torch.device, emulate: bool) -> None:
-    """Raise a ValueError unless ``device`` has fp8 matmuls (CUDA compute capability 8.9 or higher) or they are emulated."""
+    """Raise a ValueError unless ``device`` has fp8 matmuls (CUDA compute capability 8.9+) or they are emulated."""
     if emulate:
         return
     hint = "; FP8Policy(emulate=True) emulates fp8 in fp32 (for tests: slow, and no memory saving)"
@@ -80,14 +79,14 @@ def eligible(name: str, linear: nn.Module) -> str | None:
 
 
 def eligible_layers(model: nn.Module) -> tuple[str, ...]:
-    """Every ``nn.Linear`` of ``model`` fp8 can convert (see :func:`eligible`), registered under one name, in module order."""
+    """Every ``nn.Linear`` fp8 can convert (:func:`eligible`) and registered under one name, in module order."""
     names = _names_of(model)
     return tuple(name for name, m in model.named_modules()
                  if isinstance(m, nn.Linear) and eligible(name, m) is None and len(names[id(m)]) == 1)
 
 
 def default_layers(model: nn.Module) -> tuple[str, ...]:
-    """Every eligible ``nn.Linear`` but the first and the last, which are the most sensitive (embedding-like input, logits)."""
+    """Every eligible ``nn.Linear`` but the first and the last, the most sensitive (embedding-like input, logits)."""
     inner = set([name for name, m in model.named_modules() if isinstance(m, nn.Linear)][1:-1])
     return tuple(name for name in eligible_layers(model) if name in inner)
 
@@ -260,29 +259,28 @@ def precompute_scales(model: nn.Module) -> None:
 class FP8Policy(BF16Policy):
     """fp8 matmuls in chosen ``nn.Linear`` layers (torchao's float8 training), bf16 autocast for the rest.
 
-    Needs torchao (``pip install "precisionloop[fp8]"``) and a CUDA GPU of compute capability
-    8.9 or higher. fp8 pays only on large matmuls, and only compiled: ``precisionloop.autotune``
-    times each layer at the shapes it sees and converts those that gain.
+    Needs torchao (``pip install "precisionloop[fp8]"``) and a CUDA GPU of compute capability 8.9 or higher. fp8
+    pays only on large matmuls, and only compiled: ``precisionloop.autotune`` times each layer at the shapes it sees
+    and converts those that gain.
 
     Args:
         recipe: torchao's scaling recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
-        layers: names (as in ``model.named_modules()``) of the ``nn.Linear`` layers to convert;
-            ``None`` converts every one whose dimensions are multiples of 16, except the
-            first and the last. Only plain ``nn.Linear`` layers without hooks convert (torchao
-            replaces the module). A policy that would convert no layer is refused.
+        layers: names (as in ``model.named_modules()``) of the ``nn.Linear`` layers to convert; ``None`` converts
+            every one whose dimensions are multiples of 16, except the first and the last. Only plain
+            ``nn.Linear`` layers without hooks convert (torchao replaces the module). A policy that would convert
+            no layer is refused.
         emulate: emulate the fp8 matmuls in fp32, on any device (for tests; slow).
-        fsdp_float8_all_gather: under ``distributed="fsdp"``, all-gather the converted layers'
-            weights in fp8 (torchao's fp8 all-gather: half bf16's traffic), their scales computed
-            in one all-reduce after each optimizer step. Only the ``"tensorwise"`` recipe can; the
-            others all-gather bf16 and log so. On the CPU (gloo, which has no fp8 dtypes) every
-            converted layer needs a bias, or this must be False. A converted weight shared with a
-            module that is not converted is refused (the all-gather would untie them). Weights
-            changed outside the Trainer's steps and loads (``model.load_state_dict``, an EMA swap)
-            keep the old weights' all-gather scales until the next optimizer step, which can clip
-            them: change them through ``Trainer.load``.
+        fsdp_float8_all_gather: under ``distributed="fsdp"``, all-gather the converted layers' weights in fp8
+            (torchao's fp8 all-gather: half bf16's traffic), their scales computed in one all-reduce after each
+            optimizer step. Only the ``"tensorwise"`` recipe can; the others all-gather bf16 and log so. On the
+            CPU (gloo, which has no fp8 dtypes) every converted layer needs a bias, or this must be False. A
+            converted weight shared with a module that is not converted is refused (the all-gather would untie
+            them). Weights changed outside the Trainer's steps and loads (``model.load_state_dict``, an EMA swap)
+            keep the old weights' all-gather scales until the next optimizer step, which can clip them: change
+            them through ``Trainer.load``.
 
     Raises:
-        ValueError: an unknown recipe, or a flag that is not True or False.
+        ValueError: an unknown recipe, a flag that is not True or False, or ``layers`` that are not module names.
     """
 
     name: ClassVar[str] = "fp8"
@@ -357,7 +355,7 @@ class FP8Policy(BF16Policy):
         return model
 
     def check_sharding(self, model: nn.Module, device: torch.device) -> None:
-        """Refuse, before the conversion, layers whose weights FSDP2 could not all-gather in fp8 (see ``prepare_sharding``)."""
+        """Refuse, before conversion, layers FSDP2 could not all-gather in fp8 (see ``prepare_sharding``)."""
         if not self._fp8_all_gather(quiet=True):
             return
         check_all_gather(model, self.planned_layers(model), device)
@@ -367,7 +365,7 @@ class FP8Policy(BF16Policy):
         return {name for name, _ in fp32_modules.select_modules(model, self.keep_fp32)}
 
     def planned_layers(self, model: nn.Module) -> list[str]:
-        """The layers ``prepare_model`` will convert on the unprepared ``model``: chosen or default, none kept in fp32."""
+        """The layers ``prepare_model`` converts in the unprepared ``model``: chosen or default, not kept in fp32."""
         kept = self.kept_modules(model)
         return [n for n in (default_layers(model) if self.layers is None else self.layers)
                 if not fp32_modules.within(n, kept)]

@@ -1,19 +1,16 @@
 """Gradient guards: what stands between a backward pass and the optimizer step.
 
-A policy hands the step one guard, and the step calls it the same way whatever the precision,
-so it never asks whether there is a loss scaler:
+The step calls a policy's guard the same way whatever the precision, never asking whether there is a loss scaler:
 
 - ``scale(loss)``: the loss to call ``backward`` on;
-- ``unscale_(optimizer, grads)``: unscale the gradients in place and return the inf/NaN
-  verdict as a device tensor (1.0: skip);
+- ``unscale_(optimizer, grads)``: unscale the gradients in place, return the inf/NaN verdict on the device (1.0: skip);
 - ``step(optimizer, found_inf)``: step the optimizer unless the verdict says skip;
 - ``update()``: adjust the loss scale after the step; ``abandon()``: forget a step that failed midway;
 - ``scale_tensor()`` / ``scale_value()``: the scale on the device / host, or None;
 - ``state_dict()`` / ``load_state_dict()``: the scaler's state, or None.
 
-``ScalerGuard`` is backed by a ``torch.amp.GradScaler`` (fp16); ``FiniteGuard`` is a plain
-non-finite check (fp32, bf16). With a fused optimizer neither syncs the host, except on a fused
-SGD's first momentum step (see ``_FirstStepCheck``).
+``ScalerGuard`` is backed by a ``torch.amp.GradScaler`` (fp16); ``FiniteGuard`` is a plain non-finite check (fp32,
+bf16). With a fused optimizer neither syncs the host, except on a fused SGD's first momentum step (``_FirstStepCheck``).
 """
 
 from __future__ import annotations
@@ -47,14 +44,13 @@ class GradientGuard(Protocol):
 class _FirstStepCheck:
     """Whether a fused SGD with momentum lacks a momentum buffer for a parameter it is about to step.
 
-    torch's fused SGD allocates the buffers with ``empty_like`` and fills them in the kernel, so
-    a step skipped on the device leaves them uninitialised and the next step reads garbage into
-    the weights (torch's own ``GradScaler.step`` is hit the same way). Until the buffers exist,
-    the skip is decided on the host. Buffers go missing when the state is cleared or loaded
-    empty, when a group's momentum is switched on or its parameter list replaced, and for a
-    parameter whose first gradient comes late; so the last scan holds only while ``_key_of`` is
-    unchanged and no parameter then without a buffer has a gradient. Not seen: a buffer deleted
-    by hand from one parameter's state, or a parameter list edited in place to the same length.
+    torch's fused SGD allocates the buffers with ``empty_like`` and fills them in the kernel, so a step skipped on
+    the device leaves them uninitialised and the next step reads garbage into the weights (torch's own
+    ``GradScaler.step`` is hit the same way): until the buffers exist, the skip is decided on the host. Buffers go
+    missing when the state is cleared or loaded empty, a group's momentum is switched on or its parameter list
+    replaced, and for a parameter whose first gradient comes late; so the last scan holds only while ``_key_of`` is
+    unchanged and no parameter then without a buffer has a gradient. Not seen: a buffer deleted by hand from one
+    parameter's state, or a parameter list edited in place to the same length.
     """
 
     def __init__(self) -> None:
@@ -78,8 +74,7 @@ class _FirstStepCheck:
 
 
 def _key_of(optimizer: torch.optim.Optimizer) -> tuple:
-    """What a fused SGD's buffers depend on, short of the state's entries: per group, its parameter list (the
-    object and its length), fused, and momentum on or off; and the state object's id and size."""
+    """What a fused SGD's buffers depend on, short of the state's entries (see :class:`_FirstStepCheck`)."""
     groups = tuple((id(g["params"]), len(g["params"]), bool(g.get("fused")), g.get("momentum", 0) != 0)
                    for g in optimizer.param_groups)
     return groups, id(optimizer.state), len(optimizer.state)
@@ -88,9 +83,8 @@ def _key_of(optimizer: torch.optim.Optimizer) -> tuple:
 def _host_decided_step(optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
     """``step()``, unless a fused SGD group mixes parameters with and without momentum buffers.
 
-    torch's fused SGD raises on such a mix (it starts buffers only when none exists), where the
-    default SGD starts each new one by itself; so such a step runs the default implementation on
-    those groups (the gradients are unscaled by then), and the fused one again after.
+    torch's fused SGD raises on such a mix (it starts buffers only when none exists), where the default SGD starts
+    each new one by itself; so such a step runs those groups on the default implementation (gradients unscaled by then).
     """
     mixed = [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
              and len({optimizer.state.get(p, {}).get("momentum_buffer") is None
@@ -118,12 +112,11 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module | 
                            device_types: tuple[str, ...] = ("cuda",)) -> bool:
     """Switch a torch SGD, Adam or AdamW left at its default implementation to its fused one; True if switched.
 
-    The fused kernels take the skip verdict as a device tensor, so a guarded step needs no
-    host sync; the default (foreach) ones need the verdict on the host first. The algorithm
-    and every hyperparameter stay the same. Left alone: other classes (subclasses too), an
-    optimizer with state, and any group that set ``fused``, ``foreach``, ``capturable`` or
-    ``differentiable`` itself, or holds a parameter the fused kernels cannot take, and any
-    optimizer of a ``model`` with sparse embeddings (the fused kernels take no sparse gradients).
+    The fused kernels take the skip verdict as a device tensor, so a guarded step needs no host sync; the default
+    (foreach) ones need it on the host first. The algorithm and hyperparameters stay the same. Left alone: other classes
+    (subclasses too); an optimizer with state, or with parameters off ``device_types``; a group that set ``fused``,
+    ``foreach``, ``capturable`` or ``differentiable`` itself, or holds a non-float parameter; an optimizer of a
+    ``model`` with sparse embeddings (the fused kernels take no sparse gradients).
     """
     if not fusable(optimizer, model) or not all(
             p.device.type in device_types for group in optimizer.param_groups for p in group["params"]):
@@ -163,7 +156,7 @@ class ScalerGuard:
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         if self._first.needs_host(optimizer):
-            # Decided on the host while a buffer is missing; update() still backs off, since unscale_ recorded the verdict.
+            # Decided on the host while a buffer is missing; update() still backs off, as unscale_ recorded the verdict.
             if not found_inf.item():
                 _host_decided_step(optimizer, lambda: self.scaler.step(optimizer))
             return
@@ -210,9 +203,9 @@ class FiniteGuard:
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
         """The inf/NaN verdict of ``grads`` as a device tensor, 0 or 1, from each (device, dtype) group's inf-norms.
 
-        The norms read the gradients only (GradScaler's fused check, with an inverse scale of one, also writes each
-        one back, and takes no bf16 on CUDA). Shards (FSDP2's DTensors) and sparse gradients are checked by their
-        local values. The verdicts meet on the first gradient's device, then are agreed across ranks.
+        The norms read the gradients only (GradScaler's fused check also writes each one back, and takes no bf16 on
+        CUDA). Shards (FSDP2's DTensors) and sparse gradients are checked by their local values; the verdicts meet on
+        the first gradient's device, then are agreed across ranks.
         """
         grads = [_compat.dense_values(g) for g in grads]
         found = self._zero_on(grads[0].device if grads else torch.device("cpu"))

@@ -1,8 +1,7 @@
 """The loop around the step: ``fit`` and ``evaluate``, progress, callbacks, periodic checkpoints and exact-resume replay.
 
-Training goes through ``trainer.step`` and ``flush`` and validation through the Trainer's override points, so
-a subclass's ``forward_batch`` and ``compute_loss`` are honoured in both; the loop also sets the engine's
-``probe`` (underflow telemetry) and ``sync_next`` (the epoch's last micro-batch all-reduces).
+Training goes through ``trainer.step`` and ``flush`` and validation through the Trainer's override points, so a
+subclass's ``forward_batch`` and ``compute_loss`` are honoured in both.
 """
 
 from __future__ import annotations
@@ -155,11 +154,7 @@ DATA_WARNING = 0.3
 
 
 def _log_epoch(record: dict, options: FitOptions, step: int, warned: bool) -> bool:
-    """The epoch's record to the loggers (numbers only), and one warning a fit when the input bounds training.
-
-    Returns:
-        Whether that warning has been given in this fit.
-    """
+    """The epoch's numbers to the loggers, and one warning a fit when the input bounds training; True once warned."""
     if not _dist.is_main():
         return warned
     numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -215,11 +210,7 @@ def _step(trainer, batch: Any):
 
 
 def _flush(trainer):
-    """``trainer.flush`` at the epoch's end; if it fails before its optimizer step, the window it dropped is replayed.
-
-    The engine discards the window on any error; when no step was taken, the epoch's position
-    moves back to the window's first batch, so a later ``fit`` trains those batches again.
-    """
+    """``trainer.flush`` at the epoch's end; failing before its optimizer step, it leaves the window to be replayed."""
     engine, state = trainer.engine, trainer.loop_state
     window, before = engine.micro, engine.global_step
     try:
@@ -313,9 +304,8 @@ class _EpochTotals:
     def next_batch(self, iterator: Any) -> Any:
         """The loader's next batch (``_END`` at the end), the wait timed on the host.
 
-        Only the wait, with the device feed or without: the copy to the device is not in it (from pageable
-        memory on the step's stream it would also wait for the GPU's queued work, and count the step's
-        time as the input's).
+        Only the wait, with the device feed or without: the copy to the device is not in it (from pageable memory on
+        the step's stream it would also wait for the GPU's queued work, and count the step's time as the input's).
         """
         began = time.perf_counter()
         batch = next(iterator, _END)

@@ -1,7 +1,7 @@
 """Measure training steps: interleaved rounds of fresh instances, a median with its spread, peak memory.
 
-cuDNN picks kernels per model instance, so one timed instance can be off by tens of percent: each
-round builds every system afresh. Depends on torch and the standard library only.
+cuDNN picks kernels per model instance, so one instance's time can be far off: each round builds every system
+afresh. Depends on torch and the standard library only.
 """
 
 from __future__ import annotations
@@ -36,12 +36,11 @@ _Timer = Callable[[], float]
 
 
 def _warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
-    """Run ``warmup`` untimed steps; on CUDA restart the peak counters before the last one (after the only one, with
-    ``warmup=1``), the cache emptied first.
+    """Run ``warmup`` untimed steps; on CUDA empty the cache and restart the peak counters before the last one.
 
-    Emptying the cache lets go of what only the first step needed (cuDNN's trial workspaces, the optimizer state's
-    creation), so the reserved peak that follows is what a steady-state step holds, CUDA-graph pools included
-    (they are in use, so kept). With two or more, the last warm-up step grows the cache back, untimed.
+    Emptying the cache drops what only the first step needed (cuDNN's trial workspaces, the optimizer state's
+    creation), so the reserved peak that follows is a steady-state step's, CUDA-graph pools included (in use, so
+    kept); the last warm-up step grows the cache back, untimed. With ``warmup=1`` the reset follows that step.
     """
     before_reset = warmup - 1 if warmup >= 2 else warmup
     for _ in range(before_reset):
@@ -59,9 +58,9 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
                timer: _Timer | None = None) -> list[float]:
     """Run ``warmup`` untimed steps, then return ``iters`` step times in ms: CUDA events on CUDA, else the wall clock.
 
-    On CUDA the peak-memory counters restart before the last warm-up step (see :func:`time_block`), so cuDNN's
-    one-off workspace is not counted. ``timer``, a clock in seconds for tests, replaces ``time.perf_counter``;
-    not on CUDA (ValueError).
+    On CUDA the cache is emptied and the peak-memory counters restart before the last warm-up step, so the peaks are
+    a steady-state step's (cuDNN's one-off workspace not counted). ``timer``, a clock in seconds for tests, replaces
+    ``time.perf_counter``; on CUDA it is a ValueError.
     """
     if timer is not None and device.type == "cuda":
         raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
@@ -88,11 +87,9 @@ def time_block(step: Callable[[], object], *, iters: int, warmup: int, device: t
                timer: _Timer | None = None) -> float:
     """Run ``warmup`` untimed steps, then ``iters`` back to back, and return the block's time over ``iters`` in ms.
 
-    The steady state a training loop sees: nothing waits for the device between the timed steps, so each step
-    is queued while the one before it runs, and only the block's end is waited for. On CUDA a pair of CUDA
-    events brackets the block; elsewhere the wall clock (or ``timer``, a clock in seconds for tests; not on
-    CUDA: ValueError). On CUDA the peak-memory counters restart before the last warm-up step, the cache
-    emptied first, so the peaks are those of steady-state steps.
+    The steady state a training loop sees: nothing waits for the device between the timed steps, so each step is
+    queued while the one before it runs; a pair of CUDA events (elsewhere the wall clock) brackets the block.
+    Warm-up, peak counters and ``timer`` as in :func:`time_steps`.
     """
     if timer is not None and device.type == "cuda":
         raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
@@ -254,10 +251,7 @@ def _error_text(e: Exception) -> str:
 
 def _run_alone(factory: _Factory, *, iters: int, warmup: int, device: torch.device,
                timer: _Timer | None, pipelined: bool = False) -> _RoundResult:
-    """Build one fresh instance and time it: (ms per step, peak memory, peak reserved), or its error as text.
-
-    ms per step: the median of the timed steps, or with ``pipelined`` the block's time over its steps.
-    """
+    """Build one fresh instance and time it: (ms per step, peak memory, peak reserved), or its error as text."""
     try:
         reset_memory(device)
         run = _as_run(factory())
@@ -424,29 +418,25 @@ def interleaved(systems: Mapping[str, _Factory], *, rounds: int = 3, iters: int,
                 blocks: int = 1, pipelined: bool = False) -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated by the round.
 
-    Round ``r`` runs the systems rotated left by ``r`` (A B C, then B C A, ...). With ``blocks=1``
-    each system runs alone: :func:`reset_memory`, its factory, ``warmup`` + ``iters`` steps; the
-    round's figure is the median of the timed steps, or with ``pipelined=True`` the time of the
-    ``iters`` steps run back to back, over ``iters`` (:func:`time_block`): the steady state of a
-    training loop, where the host queues a step while the one before it runs. With
-    ``blocks=k`` every system of the round is built and warmed up first, then their timed steps
-    alternate in ``k`` blocks (block ``b`` rotated by ``b``), so a host whose speed drifts moves
-    them alike, at the cost of holding them all in memory. A system's peak is then the most memory
-    in use during its blocks, less what the others held after their warm-up; memory the process
-    keeps for everyone (cuBLAS workspaces) counts for every system only from the second round on.
-    A system whose factory or step raises gets ``error`` set and is not run again.
+    Round ``r`` runs the systems rotated left by ``r`` (A B C, then B C A, ...). With ``blocks=1`` each system runs
+    alone: :func:`reset_memory`, its factory, ``warmup`` + ``iters`` steps; the round's figure is the median of the
+    timed steps, or with ``pipelined=True`` the steps' time back to back over ``iters`` (:func:`time_block`). With
+    ``blocks=k`` every system of the round is built and warmed up first, then their timed steps alternate in ``k``
+    blocks (block ``b`` rotated by ``b``), so a host whose speed drifts moves them alike, at the cost of holding them
+    all in memory. A system's peak is then the most memory in use during its blocks, less what the others held after
+    their warm-up; memory the process keeps for everyone (cuBLAS workspaces) counts for every system only from the
+    second round on. A system whose factory or step raises gets ``error`` set and is not run again.
 
     Args:
-        systems: name -> zero-argument factory building a fresh model and optimizer and returning
-            a step callable or a :class:`Run`.
+        systems: name -> zero-argument factory building a fresh model and optimizer and returning a step callable
+            or a :class:`Run`.
         iters: timed steps per system and round.
         on_run: called as ``on_run(round_index, name)`` before each system is built.
         pipelined: time each system's steps as one block (``blocks`` must be 1).
 
     Raises:
-        ValueError: a count is not a whole number, ``rounds`` or ``iters`` is below 1, ``warmup``
-            below 0 (below 1 with blocks), ``blocks`` below 1 or above ``iters`` (or not 1 with
-            ``pipelined``), or ``systems`` is empty.
+        ValueError: a count is not a whole number, ``rounds`` or ``iters`` is below 1, ``warmup`` below 0 (below 1
+            with blocks), ``blocks`` below 1 or above ``iters`` (or not 1 with ``pipelined``), or no system.
     """
     _check_counts(rounds, iters, warmup, blocks, systems, pipelined)
     names = list(systems)
@@ -486,10 +476,7 @@ def method_of(blocks: int, pipelined: bool = False) -> str:
 
 
 def choose_method(device: torch.device, compiled: bool) -> tuple[str, str]:
-    """The method that times a step as a training loop sees it, and why: (a name in :data:`METHODS`, the reason).
-
-    Compiled steps on CUDA: pipelined. Eager steps on CUDA: alternating (step by step). Elsewhere: alone.
-    """
+    """The method that times a step as a training loop sees it, and why: (a name in :data:`METHODS`, the reason)."""
     if device.type != "cuda":
         return "alone", ("off CUDA the wall clock times each step, and a system alone in memory has a resident-set "
                          "growth of its own")

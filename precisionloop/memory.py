@@ -1,8 +1,6 @@
-"""Where a Trainer's memory goes: parameters, buffers, gradients and optimizer state, exactly, from the tensors
-themselves; on CUDA also the allocator's peak, what the peak holds beyond them, and what it has reserved.
+"""Where a Trainer's memory goes: the tensors' exact sizes on every device; on CUDA the allocator's peak and reserve.
 
-It takes the Trainer as an argument (any object with ``model``, ``optimizer`` and ``device``) and imports nothing
-from the package.
+It takes the Trainer (any object with ``model``, ``optimizer``, ``device``) and imports nothing from the package.
 """
 
 from __future__ import annotations
@@ -21,25 +19,30 @@ _MB = 2**20
 class MemoryBreakdown:
     """A Trainer's memory in MB (2**20 bytes), from :func:`memory_breakdown`.
 
-    The first four are exact on every device: the bytes of the tensors' storages, each storage counted once. The
-    last four are ``None`` off CUDA. The allocator rounds every block up (to 512 bytes on CUDA); that rounding
-    is in none of the exact parts, nor are the loss scaler's two scalars.
+    The first four are exact on every device: the bytes of the tensors' storages (``untyped_storage().nbytes()``),
+    a storage shared by views or tied weights counted once; under FSDP2 (DTensors) this process's local shards. The
+    last three are ``None`` off CUDA. The allocator rounds every block up (to 512 bytes on CUDA); that rounding is
+    in none of the exact parts, nor are the loss scaler's two scalars.
     """
 
     parameters_mb: float
-    """every parameter of the model, trainable or not; under FSDP2 this process's local shard"""
+    """every parameter of the model, trainable or not"""
     buffers_mb: float
     """the model's buffers (BatchNorm's running statistics, for one)"""
     gradients_mb: float
-    """the ``.grad`` tensors present now; the Trainer frees them after each optimizer step"""
+    """the ``.grad`` tensors present now: 0 after an optimizer step (the Trainer frees them), full-sized while an
+    accumulation window is open"""
     optimizer_state_mb: float
     """every tensor in ``optimizer.state``: Adam's ``exp_avg``, ``exp_avg_sq``, ``step``; SGD's ``momentum_buffer``"""
     peak_mb: float | None = None
-    """CUDA: ``torch.cuda.max_memory_allocated`` on the Trainer's device since ``torch.cuda.reset_peak_memory_stats``"""
+    """CUDA: ``torch.cuda.max_memory_allocated`` on the Trainer's device since the last
+    ``torch.cuda.reset_peak_memory_stats()`` (or since the process started)"""
     activations_and_workspace_mb: float | None = None
-    """CUDA: the peak less the rest (the four exact parts on the Trainer's device), at least 0"""
+    """CUDA: the peak less the exact parts on the Trainer's device, at least 0: activations saved for backward,
+    kernels' workspace, the optimizer step's temporaries, the gradients if none are present now"""
     reserved_mb: float | None = None
-    """CUDA: ``torch.cuda.memory_reserved`` now, the allocator's cache included"""
+    """CUDA: ``torch.cuda.memory_reserved`` now, the allocator's cache included; under ``compile="reduce-overhead"``
+    also the pools CUDA graphs replay into without allocating, so their activations are here and not in the peak"""
 
     def to_dict(self) -> dict[str, float | None]:
         """The fields by name."""
@@ -88,20 +91,7 @@ def _cuda_device(device: torch.device) -> torch.device:
 def memory_breakdown(trainer: Any) -> MemoryBreakdown:
     """Where ``trainer``'s memory goes now: parameters, buffers, gradients, optimizer state; on CUDA the peak.
 
-    The exact parts are read from the tensors on every device: each storage's bytes (``untyped_storage().nbytes()``),
-    a storage shared by views or tied weights counted once. Under FSDP2 the parameters, their gradients and the
-    optimizer state are DTensors, and what is counted is this process's local shard. Gradients are those present
-    now: the Trainer sets them to ``None`` after each optimizer step, so they are 0 then, and full-sized while an
-    accumulation window is open.
-
-    On CUDA, ``peak_mb`` is ``torch.cuda.max_memory_allocated`` on the Trainer's device since the last
-    ``torch.cuda.reset_peak_memory_stats()`` (or since the process started), and
-    ``activations_and_workspace_mb`` is the peak less the rest: the peak minus the exact parts that live on that
-    device, clamped at 0. It is everything else the peak held: activations saved for backward, kernels' workspace,
-    the optimizer step's temporaries, the gradients if none are present now. ``reserved_mb`` is
-    ``torch.cuda.memory_reserved``: what the caching allocator holds, used or not. With
-    ``compile="reduce-overhead"`` the CUDA graphs replay into private memory pools without allocating, so
-    their activations are not in the peak; they are in ``reserved_mb``.
+    Each part is as :class:`MemoryBreakdown` describes it.
 
     Example:
         >>> import torch

@@ -1,7 +1,4 @@
-"""Choose a precision by measuring the candidates on the user's own model and batch: :func:`autotune`.
-
-Candidates are timed with :func:`measure.interleaved` and trained with the Trainer's step engine.
-"""
+""":func:`autotune`: choose a precision by timing candidates on the user's own model and batch."""
 
 from __future__ import annotations
 
@@ -182,10 +179,10 @@ def autotune(model: nn.Module, optimizer_factory: Callable[[Iterable[nn.Paramete
              warmup: int = 3, rounds: int = 3, tolerance: float = 0.05, verbose: bool = True) -> AutotuneResult:
     """Train copies of ``model`` for a few steps under each candidate and pick the fastest sound one.
 
-    Each candidate is timed in ``rounds`` interleaved rounds, a fresh copy each (:func:`measure.interleaved`),
-    and rejected if it skips or fails a step, or if its loss at any step of the first round differs from strict
-    fp32's by more than ``tolerance`` times the first loss. Within each other's spread the simpler candidate
-    wins (eager over compiled, the default layout over the other). ``model`` itself is not touched.
+    Each candidate is timed in ``rounds`` interleaved rounds, a fresh copy each (:func:`measure.interleaved`), and
+    rejected if it skips or fails a step, or if its loss at any step of the first round differs from strict fp32's by
+    more than ``tolerance`` times the first loss. Within each other's spread the simpler candidate wins (eager over
+    compiled, the default layout over the other). ``model`` itself is not touched.
 
     Args:
         optimizer_factory: builds a fresh optimizer from parameters, e.g. ``lambda p: torch.optim.AdamW(p)``.
@@ -293,8 +290,8 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
 def _distinct_sets(c: Candidate, default: tuple[str, ...], every: tuple[str, ...], empty: set[str]) -> list[Candidate]:
     """One candidate per distinct, non-empty layer set: the default layers (``c`` itself if whole), every layer.
 
-    Layers called with no tokens are left out of both: torchao cannot scale an empty input. Both sets are timed
-    in the whole model, since which one is faster depends on what the compiled model fuses around them.
+    Layers called with no tokens are left out of both: torchao cannot scale an empty input. Both sets are timed in
+    the whole model, since which one is faster depends on what the compiled model fuses around them.
     """
     usable_default = tuple(n for n in default if n not in empty)
     options = tuple((k, v) for k, v in c.options if k != "layers")  # an explicit layers=None is replaced
@@ -315,10 +312,9 @@ def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...
 
 
 def _called_empty(model: nn.Module, batch: Any, loss_for, device: torch.device, policy: FP8Policy) -> set[str]:
-    """The names of the ``nn.Linear`` layers that one forward of a copy of ``model`` calls with no rows.
+    """The ``nn.Linear`` layers that one forward of a copy of ``model``, as a trial's first, calls with no rows.
 
-    The forward runs as a trial's first one does: seeded, under the policy's autocast. If it fails, no layer is
-    left out, and the trials meet the same error and reject the candidate with it.
+    If it fails none is left out: the trials meet the same error and reject the candidate with it.
     """
     empty: set[str] = set()
 
