@@ -191,32 +191,45 @@ class FakeStreams:
 
 
 def test_the_feed_moves_each_batch_on_the_side_stream_then_hands_it_over():
-    log, end, source = [], object(), iter(["a", "b"])
+    log, end = [], object()
+    a, b = torch.zeros(1), torch.ones(1)
+    source = iter([(a, "a"), (b, "b")])
 
     def pull():
         log.append(("pull", None))
         return next(source, end)
 
     def move(batch):
-        log.append(("move", batch))
-        return batch.upper()
+        log.append(("move", batch[1]))
+        return batch[1].upper()
 
     next_batch = feed.device_feed(pull, move, end, FakeStreams(log))
     assert [next_batch(), next_batch(), next_batch()] == ["A", "B", end]
-    one = [("pull", None), ("side stream", "a"), ("move", "a"), ("back", None), ("hand over", "A")]
-    assert log == one + [(k, v.replace("a", "b").replace("A", "B") if v else v) for k, v in one] + [("pull", None)]
+    assert [(k, v[1] if isinstance(v, tuple) else v) for k, v in log] == [
+        ("pull", None), ("side stream", "a"), ("move", "a"), ("back", None), ("hand over", "A"),
+        ("pull", None), ("side stream", "b"), ("move", "b"), ("back", None), ("hand over", "B"), ("pull", None)]
+
+
+def test_a_batch_with_nothing_on_the_host_is_moved_without_the_side_stream():
+    log = []
+    on_device = {"x": torch.zeros(2, device="meta"), "y": [torch.ones(2, device="meta")], "n": 3}
+    source = iter([on_device, "no tensors"])
+    next_batch = feed.device_feed(lambda: next(source), lambda batch: log.append(("move", batch)) or batch,
+                                  object(), FakeStreams(log))
+    assert next_batch() is on_device and next_batch() == "no tensors"
+    assert log == [("move", on_device), ("move", "no tensors")]  # no side stream, no hand-over
 
 
 def test_a_failed_move_leaves_the_side_stream_and_hands_nothing_over():
-    log = []
+    log, batch = [], (torch.zeros(1),)
 
     def move(batch):
         raise RuntimeError("out of memory")
 
-    next_batch = feed.device_feed(lambda: "a", move, object(), FakeStreams(log))
+    next_batch = feed.device_feed(lambda: batch, move, object(), FakeStreams(log))
     with pytest.raises(RuntimeError, match="out of memory"):
         next_batch()
-    assert log == [("side stream", "a"), ("back", None)]
+    assert log == [("side stream", batch), ("back", None)]
 
 
 def test_the_feed_finds_every_tensor_in_a_nested_batch():
