@@ -6,6 +6,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from precisionloop.recipes import max_batch, resnet18_bench
 
@@ -493,6 +494,16 @@ def test_the_loader_mode_times_fit_beside_the_resident_step_and_a_hand_loop(tmp_
         assert r["median_ms"] > 0 and r["img_per_s"] == pytest.approx(1000 * 2 / r["median_ms"])
         waits = r["system"] in ("hand loop", "fit")
         assert (r["data_fraction"] is not None) == waits and (not waits or 0 <= r["data_fraction"] <= 1)
+
+
+def test_the_loader_mode_with_compile_compiles_every_system_it_builds(capsys, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: compiled.append((type(self).__name__, kw["mode"])))
+    resnet18_bench.main(["--loader", "--compile", "--device", "cpu", "--precisions", "bf16", "--batch-sizes", "2",
+                         "--image-size", "32", "--images", "4", "--workers", "0", "--rounds", "1",
+                         "--image-dtypes", "uint8"])
+    assert "steps compiled (the Trainer's mode) for every system" in capsys.readouterr().out
+    assert compiled == [("ResNet", "default")] * 3  # the resident step's, the hand loop's and fit's Trainers
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -3,7 +3,7 @@
 The images are synthetic and in memory (``--images``, 224x224 on CUDA), each batch gathered from them at once
 by the DataLoader's workers (``--workers``), as float32 or as uint8 normalised on the device
 (``Trainer(input_transform=normalize_uint8(...))``), with pinned memory or without. For each precision and batch
-size, and each of these loaders, the systems are:
+size, and each of these loaders, the systems are (compiled for all with ``--compile``):
 
 - ``loader alone``: the DataLoader iterated, nothing sent to the device;
 - ``resident step``: ``Trainer.step`` on one batch already on the device (no data moves);
@@ -67,9 +67,9 @@ def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         return
     cuda = args.device.type == "cuda"
     for flag, value in (("--model transformer", args.model == "transformer"), ("--distributed", args.distributed),
-                        ("--autotune", args.autotune), ("--compile", args.compile)):
+                        ("--autotune", args.autotune)):
         if value:
-            p.error(f"--loader times eager steps of a torchvision model on one process; {flag} is not for it")
+            p.error(f"--loader times a torchvision model on one process; {flag} is not for it")
     args.images = args.images if args.images is not None else (2048 if cuda else 4 * max(args.batch_sizes))
     args.workers = args.workers if args.workers is not None else min(6, os.cpu_count() or 1)
     if args.images < max(args.batch_sizes):
@@ -155,8 +155,11 @@ class Row:
 
 
 def _hand_loop(model: nn.Module, optimizer, loader: DataLoader, dtype: torch.dtype, device: torch.device,
-               memory_format: torch.memory_format, transform) -> Callable[[], float]:
-    """One epoch of the torch.amp loop a user writes, timing its own wait on the loader; returns that share."""
+               memory_format: torch.memory_format, transform, graphed: bool) -> Callable[[], float]:
+    """One epoch of the torch.amp loop a user writes, timing its own wait on the loader; returns that share.
+
+    ``graphed``: the model replays CUDA graphs (compiled ``reduce-overhead``), so each step is marked as a new one.
+    """
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     def epoch() -> float:
@@ -169,6 +172,8 @@ def _hand_loop(model: nn.Module, optimizer, loader: DataLoader, dtype: torch.dty
                 break
             inputs, targets = (t.to(device, non_blocking=True) for t in batch)
             inputs = (transform(inputs) if transform else inputs).contiguous(memory_format=memory_format)
+            if graphed:
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 loss = nn.functional.cross_entropy(model(inputs), targets)
             scaler.scale(loss).backward()
@@ -190,7 +195,8 @@ def build_systems(bench, args, precision: str, batch_size: int, data: InMemoryIm
     def trainer() -> Trainer:
         model = bench.make_model(args)
         return Trainer(model, bench.make_optimizer(model.parameters(), args.fused, args.optimizer), policy,
-                       device=device, input_transform=transform)
+                       device=device, input_transform=transform,
+                       compile=bench.compile_for(policy, args, device))
 
     def loader_alone() -> None:
         for _ in loader:
@@ -205,7 +211,8 @@ def build_systems(bench, args, precision: str, batch_size: int, data: InMemoryIm
 
     hand = trainer()  # the hand loop runs on the Trainer's prepared model (its layout) with its own optimizer
     hand_epoch = _hand_loop(hand.model, bench.make_optimizer(hand.model.parameters(), args.fused, args.optimizer),
-                            loader, policy.compute_dtype, device, policy.memory_format(hand.model), transform)
+                            loader, policy.compute_dtype, device, policy.memory_format(hand.model), transform,
+                            graphed=bench.graphed(precision, args, device))
     systems = {"loader alone": loader_alone, "resident step": resident_step, "hand loop": hand_epoch}
     for name, feed in (("fit", True), ("fit, no feed", False)) if cuda else (("fit", True),):
         fitted = trainer()
@@ -282,8 +289,8 @@ def main(args: argparse.Namespace) -> list[Row]:
     print(f"precisionloop benchmark: {args.model} over a DataLoader, {env['date']}\n"
           f"device: {env['device_name']} | torch {env['torch']} | CUDA {env['cuda']} | cuDNN {env['cudnn']}\n"
           f"{args.images} synthetic images {args.image_size}x{args.image_size} in memory, {args.workers} workers, "
-          f"{'fused ' if args.fused else ''}{bench.OPTIMIZERS[args.optimizer]}; {args.rounds} round(s) of one timed "
-          "epoch per system after an untimed one, the systems' order rotated each round")
+          f"{'fused ' if args.fused else ''}{bench.OPTIMIZERS[args.optimizer]}, {_steps_kind(args)}; {args.rounds} "
+          "round(s) of one timed epoch per system after an untimed one, the systems' order rotated each round")
     for note in args.notes:
         if not note.startswith("CPU run"):  # that one is about the step timing of the other mode
             print(f"note: {note}")
@@ -309,6 +316,13 @@ def main(args: argparse.Namespace) -> list[Row]:
     if args.json:
         print(f"results written to {args.json}")
     return rows
+
+
+def _steps_kind(args: argparse.Namespace) -> str:
+    if not args.compile:
+        return "eager steps"
+    mode = args.compile if isinstance(args.compile, str) else "the Trainer's mode"
+    return f"steps compiled ({mode}) for every system"
 
 
 def _write(path: str | None, env: dict, args: argparse.Namespace, rows: list[Row]) -> None:
