@@ -141,7 +141,7 @@ def test_compiled_original_finds_the_module_torch_compile_wrapped():
     assert [n for n, _ in wrapped.named_parameters()] == ["_orig_mod.weight", "_orig_mod.bias"]
 
 
-def test_non_finite_any_sets_found_from_inf_norms_and_leaves_the_gradients_alone():
+def test_non_finite_any_sets_found_and_leaves_the_gradients_alone():
     for bad in (float("nan"), float("inf"), -float("inf")):
         grads = [torch.tensor([1.0, 2.0]), torch.tensor([bad, 3.0], dtype=torch.bfloat16), torch.zeros(0)]
         found = torch.zeros(())
@@ -151,3 +151,21 @@ def test_non_finite_any_sets_found_from_inf_norms_and_leaves_the_gradients_alone
     before = [g.clone() for g in clean]
     _compat.non_finite_any_(clean, found)  # large finite values are no inf: norms are maxima, not sums
     assert found.item() == 0.0 and all(torch.equal(g, b) for g, b in zip(clean, before))
+
+
+def test_non_finite_any_on_the_cpu_is_the_fused_check_and_keeps_every_bit(monkeypatch):
+    """Pins GradScaler's fused check on the CPU (several times faster there than the inf-norms): with a scale of one
+    it writes back each value exactly, subnormals and signed zeros included."""
+    calls = []
+    fused = torch._amp_foreach_non_finite_check_and_unscale_
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
+                        lambda *a: calls.append(len(a[0])) or fused(*a))
+    grads = [torch.tensor([1e-45, -0.0, 3e38, -1.5]), torch.tensor([2.0, -1e-40], dtype=torch.float64)]
+    before = [g.clone() for g in grads]
+    found = torch.zeros(())
+    _compat.non_finite_any_(grads, found)
+    assert calls == [2] and found.item() == 0.0
+    assert all(torch.equal(g, b) and torch.equal(g.signbit(), b.signbit()) for g, b in zip(grads, before))
+    grads[1][0] = float("nan")
+    _compat.non_finite_any_(grads, found)
+    assert found.item() == 1.0
