@@ -134,10 +134,13 @@ def test_a_non_finite_sparse_gradient_among_dense_ones_is_caught():
     assert guard.unscale_(None, dense).item() == 0
 
 
-def test_the_check_without_a_loss_scale_reads_the_gradients_and_writes_none_back():
+def test_the_check_off_the_cpu_reads_the_gradients_and_writes_none_back(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from precisionloop import _compat
     from precisionloop.guard import FiniteGuard
+
+    monkeypatch.setattr(_compat, "fused_non_finite_", _compat.norms_non_finite_)  # the CUDA path, on CPU tensors
 
     class Writes(TorchDispatchMode):  # every op that writes into one of the gradients
         def __init__(self, grads):
