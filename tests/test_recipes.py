@@ -1,5 +1,6 @@
 """The recipes and benchmark scripts: tiny runs on the CPU, their argument checks, and the CUDA benchmark."""
 
+import contextlib
 import dataclasses
 import json
 import weakref
@@ -494,6 +495,37 @@ def test_the_loader_mode_times_fit_beside_the_resident_step_and_a_hand_loop(tmp_
         assert r["median_ms"] > 0 and r["img_per_s"] == pytest.approx(1000 * 2 / r["median_ms"])
         waits = r["system"] in ("hand loop", "fit")
         assert (r["data_fraction"] is not None) == waits and (not waits or 0 <= r["data_fraction"] <= 1)
+
+
+def test_the_loader_mode_times_a_peer_over_the_same_loader_by_its_own_clock(capsys):
+    from precisionloop.recipes import loader_bench
+
+    seen = []
+
+    def peers(args, precision, loader):
+        def epoch():
+            seen.append(len(list(loader)))  # the same loader, a whole epoch of it
+            return loader_bench.Timed(seconds=0.5, data_fraction=0.25)
+        return {"peer fit": (epoch, contextlib.nullcontext)}
+
+    args = resnet18_bench.parse_args(["--loader", "--device", "cpu", "--precisions", "bf16", "--batch-sizes", "2",
+                                      "--image-size", "32", "--images", "4", "--workers", "0", "--rounds", "2",
+                                      "--image-dtypes", "uint8"])
+    rows = {r.system: r for r in loader_bench.main(args, peers=peers)}
+    assert seen == [2, 2, 2]  # a warm-up epoch, then one per round
+    assert rows["peer fit"].rounds_ms == [250.0, 250.0] and rows["peer fit"].data_fraction == 0.25  # 0.5 s / 2 steps
+    assert "fit / peer fit" in capsys.readouterr().out
+
+
+def test_the_lightning_fit_benchmark_runs_beside_fit_on_the_same_loader(capsys):
+    pytest.importorskip("lightning", reason="the Lightning benchmark needs lightning (pip install lightning)")
+    script = _benchmark_script("lightning_fit")
+    rows = script.main(["--device", "cpu", "--precisions", "bf16", "--batch-sizes", "2", "--image-size", "32",
+                        "--images", "4", "--workers", "0", "--rounds", "1", "--image-dtypes", "uint8"])
+    timed = {r.system: r.rounds_ms for r in rows}
+    assert {"Lightning fit", "Lightning fit, channels_last", "fit", "hand loop"} <= set(timed)
+    assert all(len(ms) == 1 and ms[0] > 0 for ms in timed.values())
+    assert "fit / Lightning fit, channels_last" in capsys.readouterr().out
 
 
 def test_the_loader_mode_with_compile_compiles_every_system_it_builds(capsys, monkeypatch):

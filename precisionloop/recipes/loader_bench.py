@@ -115,6 +115,14 @@ def make_loader(data: InMemoryImages, batch_size: int, workers: int, pin_memory:
                       persistent_workers=workers > 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """What a system that times its own epoch returns: a peer's ``fit``, whose setup per call is no part of an epoch."""
+
+    seconds: float
+    data_fraction: float | None = None
+
+
 @dataclasses.dataclass
 class Row:
     """One system over one loader: per-round ms per step, and the share of each round spent waiting for input."""
@@ -152,6 +160,10 @@ class Row:
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "median_ms": self.median_ms, "min_ms": self.min_ms, "max_ms": self.max_ms,
                 "img_per_s": self.img_per_s, "data_fraction": self.data_fraction}
+
+
+OURS = ("loader alone", "resident step", "hand loop", "fit", "fit, no feed")
+"""The systems :func:`build_systems` makes; any other in a table is a peer's."""
 
 
 def _hand_loop(model: nn.Module, optimizer, loader: DataLoader, dtype: torch.dtype, device: torch.device,
@@ -227,10 +239,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_loader(bench, args, precision: str, batch_size: int, data: InMemoryImages, pin_memory: bool) -> list[Row]:
-    """Every system over one loader: an untimed epoch each, then ``args.rounds`` rounds of one timed epoch each."""
+def measure_loader(bench, args, precision: str, batch_size: int, data: InMemoryImages, pin_memory: bool,
+                   peers: Callable | None = None) -> list[Row]:
+    """Every system over one loader: an untimed epoch each, then ``args.rounds`` rounds of one timed epoch each.
+
+    ``peers(args, precision, loader)``, where given, adds systems (name: (epoch, context)) over the same loader.
+    """
     loader = make_loader(data, batch_size, args.workers, pin_memory)
     systems = build_systems(bench, args, precision, batch_size, data, loader)
+    systems.update(peers(args, precision, loader) if peers else {})
     images = "uint8" if data.images.dtype == torch.uint8 else "float32"
     rows = {name: Row(precision, batch_size, images, pin_memory, name, len(loader)) for name in systems}
     order = list(systems)
@@ -242,8 +259,11 @@ def measure_loader(bench, args, precision: str, batch_size: int, data: InMemoryI
             with context():
                 fraction = run()
             _sync(args.device)
+            seconds = time.perf_counter() - began
+            if isinstance(fraction, Timed):
+                seconds, fraction = fraction.seconds, fraction.data_fraction
             if r:
-                rows[name].rounds_ms.append(1000 * (time.perf_counter() - began) / len(loader))
+                rows[name].rounds_ms.append(1000 * seconds / len(loader))
                 if fraction is not None:
                     rows[name].data_fractions.append(fraction)
     del systems, loader
@@ -256,11 +276,12 @@ def format_rows(rows: list[Row]) -> str:
     lines = []
     for precision, batch_size in dict.fromkeys((r.precision, r.batch_size) for r in rows):
         block = [r for r in rows if (r.precision, r.batch_size) == (precision, batch_size)]
+        width = max(len(r.system) for r in block)
         lines += [f"\n{precision}, batch {batch_size} ({block[0].steps} steps an epoch), median [min-max] over rounds:",
-                  f"{'images':>7}  {'memory':>8}  {'system':<13} | {'ms/step':>24} | {'img/s':>7} | waiting for input"]
+                  f"{'images':>7}  {'memory':>8}  {'system':<{width}} | {'ms/step':>24} | {'img/s':>7} | waiting for input"]
         for r in block:
             data = f"{r.data_fraction:.0%}" if r.data_fraction is not None else ""
-            lines.append(f"{r.images:>7}  {'pinned' if r.pin_memory else 'unpinned':>8}  {r.system:<13} | "
+            lines.append(f"{r.images:>7}  {'pinned' if r.pin_memory else 'unpinned':>8}  {r.system:<{width}} | "
                          f"{format_time(r):>24} | {r.img_per_s:>7.0f} | {data}")
         lines += _versus(block)
     return "\n".join(lines)
@@ -277,12 +298,13 @@ def _versus(block: list[Row]) -> list[str]:
                  f"fit / {bound.system} (the slower bound) {format_ratio(paired_ratio(fit, bound))}"]
         if "fit, no feed" in got:
             parts.append(f"feed on / off {format_ratio(paired_ratio(fit, got['fit, no feed']))}")
+        parts += [f"fit / {name} {format_ratio(paired_ratio(fit, row))}" for name, row in got.items() if name not in OURS]
         lines.append(f"  {images} {'pinned' if pin else 'unpinned'}: " + "; ".join(parts))
     return lines
 
 
-def main(args: argparse.Namespace) -> list[Row]:
-    """Run the ``--loader`` mode of ``resnet18_bench`` with its parsed ``args``."""
+def main(args: argparse.Namespace, peers: Callable | None = None) -> list[Row]:
+    """Run the ``--loader`` mode of ``resnet18_bench`` with its parsed ``args``; ``peers``: see :func:`measure_loader`."""
     from precisionloop.recipes import resnet18_bench as bench  # here: resnet18_bench imports this module
 
     env = bench.environment(args.device)
@@ -306,7 +328,7 @@ def main(args: argparse.Namespace) -> list[Row]:
             for precision in args.precisions:
                 for batch_size in args.batch_sizes:
                     for pin in args.pin_memory:
-                        measured = measure_loader(bench, args, precision, batch_size, data, pin)
+                        measured = measure_loader(bench, args, precision, batch_size, data, pin, peers)
                         rows += measured
                         print(format_rows(measured), flush=True)  # each loader as it is done, the file too
                         _write(args.json, env, args, rows)
