@@ -5,7 +5,8 @@
 Every flag is ``resnet18_bench --loader``'s (``--images``, ``--workers``, ``--pin-memory``, ``--image-dtypes``,
 ``--compile``, ...). Beside that mode's systems (the loader alone, the resident step, a hand loop, ``fit`` with and
 without the device feed) it times Lightning's ``Trainer.fit`` on the same loader in the same rounds, twice: at its
-default layout (NCHW) and with the model and inputs in channels_last, as an expert user writes it. Lightning runs at
+default layout (NCHW) and with the model and inputs in channels_last, as an expert user writes it; with ``--compile``
+its model is compiled in the same mode as precisionloop's. Lightning runs at
 ``bf16-mixed``, ``16-mixed`` or ``32-true`` under the same backend flags as precisionloop's policy (TF32 and
 cudnn.benchmark on CUDA), with the same model, fused SGD and on-device normalisation of uint8 images (in
 ``on_after_batch_transfer``). Each round builds a new ``lightning.Trainer`` for one epoch over the same
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from precisionloop import normalize_uint8
+from precisionloop.prepare import compile_mode
 from precisionloop.recipes import loader_bench
 from precisionloop.recipes import resnet18_bench as bench
 
@@ -46,12 +48,21 @@ def lightning_systems(args, precision: str, loader) -> dict:
             loader_bench._sync(args.device)
             self.seconds = time.perf_counter() - self.began
 
+    policy = bench.policy_for(precision, args)
+    mode = compile_mode(bench.compile_for(policy, args, args.device), args.device)
+
     class Classifier(L.LightningModule):
         def __init__(self, channels_last: bool, transform):
             super().__init__()
             self.model, self.transform = bench.make_model(args), transform
             self.layout = torch.channels_last if channels_last else torch.contiguous_format
             self.model.to(memory_format=self.layout)
+            if mode is not None:
+                self.model.compile(mode=mode)
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs: each step is a new one
+                torch.compiler.cudagraph_mark_step_begin()
 
         def on_after_batch_transfer(self, batch, dataloader_idx):
             inputs, targets = batch
@@ -67,7 +78,7 @@ def lightning_systems(args, precision: str, loader) -> dict:
 
     uint8 = loader.dataset.images.dtype == torch.uint8
     transform = normalize_uint8(loader_bench.MEAN, loader_bench.STD) if uint8 else None
-    flags = bench.policy_for(precision, args).backend_flags
+    flags = policy.backend_flags
 
     def system(channels_last: bool):
         module, timer = Classifier(channels_last, transform), EpochTimer()
