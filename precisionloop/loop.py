@@ -124,7 +124,7 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
             if record["complete"]:  # counted only now: a validation that fails leaves the epoch's end to the next fit
                 state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
             history.append(record)
-            warned = _log_epoch(record, options, trainer.global_step, warned)
+            warned = _log_epoch(record, options, trainer.global_step, warned, trainer.compile_mode is None)
             for cb in options.callbacks:
                 if hasattr(cb, "on_epoch_end"):
                     cb.on_epoch_end(trainer, record)
@@ -153,7 +153,7 @@ DATA_WARNING = 0.3
 """The share of an epoch spent waiting for input above which ``fit`` warns (once a call)."""
 
 
-def _log_epoch(record: dict, options: FitOptions, step: int, warned: bool) -> bool:
+def _log_epoch(record: dict, options: FitOptions, step: int, warned: bool, eager: bool) -> bool:
     """The epoch's numbers to the loggers, and one warning a fit when the input bounds training; True once warned."""
     if not _dist.is_main():
         return warned
@@ -162,10 +162,13 @@ def _log_epoch(record: dict, options: FitOptions, step: int, warned: bool) -> bo
         logger.log_metrics(numbers, step)
     if record["data_fraction"] > DATA_WARNING and not warned:
         warned = True
+        # The DataLoader's work in this process (receiving, pinning) and the step's launches share one interpreter.
+        last = ("keeping a dataset that fits on the device, or compile=True: the loader's work in this process and "
+                "the step's kernel launches share its CPU time, and compiled steps launch less") if eager else (
+                "or keeping a dataset that fits on the device")
         log.warning("fit: %.0f%% of epoch %d waited for input, so the input pipeline, not the precision, bounds "
                     "training. Try more DataLoader workers, moving images as uint8 and normalising them on the "
-                    "device, pin_memory on or off (measure both), or keeping a dataset that fits on the device",
-                    100 * record["data_fraction"], record["epoch"])
+                    "device, pin_memory on or off (measure both), %s", 100 * record["data_fraction"], record["epoch"], last)
     return warned
 
 

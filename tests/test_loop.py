@@ -289,6 +289,7 @@ def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
     warnings_given = [r for r in caplog.records if "waited for input" in r.getMessage()]
     assert len(warnings_given) == 1 and "not the precision" in warnings_given[0].getMessage()
     assert "workers" in warnings_given[0].getMessage() and "uint8" in warnings_given[0].getMessage()
+    assert "compile=True" in warnings_given[0].getMessage()  # an eager step's launches compete with the loader
 
 
 def test_a_fast_loader_gets_a_small_data_fraction_and_no_warning(caplog):
