@@ -7,8 +7,8 @@ Every flag is ``resnet18_bench --loader``'s (``--images``, ``--workers``, ``--pi
 without the device feed) it times Lightning's ``Trainer.fit`` on the same loader in the same rounds, twice: at its
 default layout (NCHW) and with the model and inputs in channels_last, as an expert user writes it; with ``--compile``
 its model is compiled in the same mode as precisionloop's. Lightning runs at
-``bf16-mixed``, ``16-mixed`` or ``32-true`` under the same backend flags as precisionloop's policy (TF32 and
-cudnn.benchmark on CUDA), with the same model, fused SGD and on-device normalisation of uint8 images (in
+``bf16-mixed``, ``16-mixed`` or ``32-true`` with the backend flags of precisionloop's policy (TF32 but for fp32,
+cudnn.benchmark), with the same model, fused SGD and on-device normalisation of uint8 images (in
 ``on_after_batch_transfer``). Each round builds a new ``lightning.Trainer`` for one epoch over the same
 ``LightningModule``; the epoch is timed from ``on_train_epoch_start`` to ``on_train_epoch_end`` (the device
 synchronised at both), so Lightning's setup per ``fit`` call is not counted. ``fit``'s epoch is timed around the
@@ -17,6 +17,8 @@ whole call, its setup included.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import sys
 import time
@@ -78,7 +80,7 @@ def lightning_systems(args, precision: str, loader) -> dict:
 
     uint8 = loader.dataset.images.dtype == torch.uint8
     transform = normalize_uint8(loader_bench.MEAN, loader_bench.STD) if uint8 else None
-    flags = policy.backend_flags
+    tf32 = precision != "fp32"  # as precisionloop's policies: strict fp32, TF32 for the others
 
     def system(channels_last: bool):
         module, timer = Classifier(channels_last, transform), EpochTimer()
@@ -90,9 +92,27 @@ def lightning_systems(args, precision: str, loader) -> dict:
             trainer.fit(module, loader)
             return loader_bench.Timed(timer.seconds)
 
-        return epoch, flags
+        return epoch, functools.partial(lightning_flags, tf32)
 
     return {"Lightning fit": system(False), "Lightning fit, channels_last": system(True)}
+
+
+@contextlib.contextmanager
+def lightning_flags(tf32: bool):
+    """TF32 and cudnn.benchmark as precisionloop's policies set them, through the API Lightning reads.
+
+    Lightning asks ``torch.get_float32_matmul_precision()``, which raises under the per-backend settings that
+    precisionloop's policies use; so for Lightning the same flags are set the older way, and restored after.
+    """
+    cudnn = torch.backends.cudnn
+    saved = torch.get_float32_matmul_precision(), cudnn.benchmark, cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    cudnn.benchmark, cudnn.allow_tf32 = True, tf32
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        cudnn.benchmark, cudnn.allow_tf32 = saved[1], saved[2]
 
 
 def main(argv: list[str] | None = None) -> list[loader_bench.Row]:
