@@ -9,7 +9,8 @@ default layout (NCHW) and with the model and inputs in channels_last, as an expe
 its model is compiled in the same mode as precisionloop's. Lightning runs at
 ``bf16-mixed``, ``16-mixed`` or ``32-true`` with the backend flags of precisionloop's policy (TF32 but for fp32,
 cudnn.benchmark), with the same model, fused SGD and on-device normalisation of uint8 images (in
-``on_after_batch_transfer``). Each round builds a new ``lightning.Trainer`` for one epoch over the same
+``on_after_batch_transfer``). Lightning gets the same DataLoader wrapped as a plain iterable (:class:`Batches`),
+so that it does not shut the persistent workers down after each ``fit`` call. Each round builds a new ``lightning.Trainer`` for one epoch over the same
 ``LightningModule``; the epoch is timed from ``on_train_epoch_start`` to ``on_train_epoch_end`` (the device
 synchronised at both), so Lightning's setup per ``fit`` call is not counted. ``fit``'s epoch is timed around the
 whole call, its setup included.
@@ -89,12 +90,30 @@ def lightning_systems(args, precision: str, loader) -> dict:
             trainer = L.Trainer(accelerator=args.device.type, devices=1, precision=LIGHTNING[precision], max_epochs=1,
                                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
-            trainer.fit(module, loader)
+            trainer.fit(module, Batches(loader))
             return loader_bench.Timed(timer.seconds)
 
         return epoch, functools.partial(lightning_flags, tf32)
 
     return {"Lightning fit": system(False), "Lightning fit, channels_last": system(True)}
+
+
+class Batches:
+    """The DataLoader as a plain iterable, for Lightning.
+
+    At the end of each ``fit`` call Lightning shuts a DataLoader's persistent workers down, which a run of one call
+    over many epochs pays once; here the next system's epoch, or Lightning's own, would pay it each round. Handed
+    this, Lightning leaves the workers to the DataLoader, as ``fit`` and the hand loop do.
+    """
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
 
 
 @contextlib.contextmanager
