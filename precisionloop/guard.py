@@ -209,7 +209,8 @@ class FiniteGuard:
         """
         grads = [_compat.dense_values(g) for g in grads]
         found = self._zero_on(grads[0].device if grads else torch.device("cpu"))
-        for (where, dtype), (tensors, _) in _compat.group_by_device_and_dtype(grads).items():
+        groups = _compat.group_by_device_and_dtype(grads).items() if grads else ()  # torch's grouping takes no empty list
+        for (where, _), (tensors, _) in groups:
             here = found if where == found.device else self._zero_on(where)
             _compat.non_finite_any_(tensors[0], here)
             if here is not found:  # 1, not a sum: a fused optimizer skips only when the verdict is exactly 1

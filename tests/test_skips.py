@@ -132,6 +132,7 @@ def test_a_non_finite_sparse_gradient_among_dense_ones_is_caught():
     assert guard.unscale_(None, [sparse, torch.ones(3)]).item() == 1
     assert guard.unscale_(None, [torch.ones(3), torch.tensor([1.0, float("nan")])]).item() == 1
     assert guard.unscale_(None, dense).item() == 0
+    assert guard.unscale_(None, []).item() == 0  # no gradient at all (every parameter frozen this step): nothing to skip
 
 
 def test_the_check_off_the_cpu_reads_the_gradients_and_writes_none_back(monkeypatch):
