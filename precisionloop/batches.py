@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -106,18 +106,23 @@ def normalize_uint8(mean: Sequence[float], std: Sequence[float]) -> Callable[[to
     return _NormalizeUint8(*values)
 
 
-def batch_size(batch: Any) -> int | None:
-    """The leading dimension of the first tensor in a (nested) batch; None when it holds no tensor."""
+def tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a (nested) batch of tensors, lists, tuples and mappings."""
     if isinstance(batch, torch.Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for item in batch:
-            size = batch_size(item)
-            if size is not None:
-                return size
-    return None
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from tensors(value)
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the first tensor of one or more dimensions in a (nested) batch; 1 for a batch of 0-d
+    tensors only (a scalar beside the data has no batch dimension); None when it holds no tensor."""
+    sizes = [t.shape[0] if t.dim() else None for t in tensors(batch)]
+    return next((n for n in sizes if n is not None), 1) if sizes else None
 
 
 def pair(batch: Any, suffix: str = "") -> tuple[Any, Any]:

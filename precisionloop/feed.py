@@ -10,24 +10,13 @@ for the copy, and each tensor is recorded there, so the caching allocator reuses
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
 
+from .batches import tensors
+
 __all__ = ["CudaStreams", "device_feed", "tensors"]
-
-
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a (nested) batch of tensors, lists, tuples and mappings."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from tensors(value)
 
 
 class CudaStreams:

@@ -520,3 +520,19 @@ def test_an_empty_validation_batch_does_not_make_the_loss_nan():
     x, y = batches(1)[0]
     result = trainer.evaluate([(x, y), (x[:0], y[:0])])
     assert result["val_loss"] == pytest.approx(trainer.evaluate([(x, y)])["val_loss"])
+
+
+def test_a_scalar_first_in_a_dict_batch_is_not_its_size():
+    """evaluate weights each batch's loss by its size, and step refuses an empty batch, wherever the data sits."""
+    model = net(0.0, 3)
+    trainer = DictTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    sizes = [4, 4, 1]
+    data = [{"temperature": torch.tensor(1.0), **dict_batch(i)} for i in range(3)]
+    data = [{**b, "x": b["x"][:n], "y": b["y"][:n]} for b, n in zip(data, sizes)]
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(b["x"]), b["y"]).item() for b in data]
+    expected = sum(loss * n for loss, n in zip(losses, sizes)) / sum(sizes)
+    assert trainer.evaluate(data)["val_loss"] == pytest.approx(expected, rel=1e-6)
+    empty = {"temperature": torch.tensor(1.0), "x": data[0]["x"][:0], "y": data[0]["y"][:0]}
+    with pytest.raises(ValueError, match="the batch is empty"):
+        trainer.step(empty)
