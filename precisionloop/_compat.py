@@ -30,12 +30,16 @@ def forget_unscale(scaler: torch.amp.GradScaler) -> None:
 def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Sets ``found_inf`` (fp32, one element) to 1 if any gradient, all on one device, holds an inf or NaN.
 
-    On the CPU by GradScaler's fused check (:func:`fused_non_finite_`), elsewhere by the inf-norms
-    (:func:`norms_non_finite_`), which read each gradient once and write nothing back.
+    On the CPU by GradScaler's fused check (:func:`fused_non_finite_`), which writes each value back as it was;
+    elsewhere, and for complex gradients, by the inf-norms (:func:`norms_non_finite_`), which write nothing back.
     """
     grads = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined; it holds no inf anyway
     if grads:
-        (fused_non_finite_ if grads[0].device.type == "cpu" else norms_non_finite_)(grads, found_inf)
+        fused = grads[0].device.type == "cpu" and all(g.dtype in _FUSED_CHECK_DTYPES for g in grads)
+        (fused_non_finite_ if fused else norms_non_finite_)(grads, found_inf)
+
+
+_FUSED_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # it takes no complex gradient
 
 
 def norms_non_finite_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
@@ -49,7 +53,8 @@ def fused_non_finite_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> Non
 
     On the CPU several times faster than the inf-norms; on CUDA it writes every gradient back (twice the bytes).
     """
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones((), device=found_inf.device))
+    one = torch.ones((), dtype=torch.float32, device=found_inf.device)  # fp32 whatever the default dtype: it takes no other
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
 
 
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> dict:

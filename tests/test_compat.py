@@ -160,7 +160,7 @@ def test_non_finite_any_on_the_cpu_is_the_fused_check_and_keeps_every_bit(monkey
     fused = torch._amp_foreach_non_finite_check_and_unscale_
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
                         lambda *a: calls.append(len(a[0])) or fused(*a))
-    grads = [torch.tensor([1e-45, -0.0, 3e38, -1.5]), torch.tensor([2.0, -1e-40], dtype=torch.float64)]
+    grads = [torch.tensor([1e-45, -0.0, 3e38, -1.5]), torch.tensor([2.0, -1e-310], dtype=torch.float64)]
     before = [g.clone() for g in grads]
     found = torch.zeros(())
     _compat.non_finite_any_(grads, found)
@@ -169,3 +169,18 @@ def test_non_finite_any_on_the_cpu_is_the_fused_check_and_keeps_every_bit(monkey
     grads[1][0] = float("nan")
     _compat.non_finite_any_(grads, found)
     assert found.item() == 1.0
+
+
+def test_non_finite_any_on_the_cpu_under_a_float64_default_and_for_complex_gradients():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # the fused check takes its scale in fp32 only
+    try:
+        found = torch.zeros((), dtype=torch.float32)
+        _compat.non_finite_any_([torch.tensor([1.0, float("inf")])], found)
+        assert found.item() == 1.0
+    finally:
+        torch.set_default_dtype(previous)
+    for bad, expected in ((complex(1, 2), 0.0), (complex(float("nan"), 0), 1.0)):  # the fused check takes no complex
+        found = torch.zeros(())
+        _compat.non_finite_any_([torch.tensor([bad, 1j]), torch.ones(2)], found)
+        assert found.item() == expected
