@@ -5,15 +5,17 @@
 Every flag is ``resnet18_bench --loader``'s (``--images``, ``--workers``, ``--pin-memory``, ``--image-dtypes``,
 ``--compile``, ...). Beside that mode's systems (the loader alone, the resident step, a hand loop, ``fit`` with and
 without the device feed) it times Lightning's ``Trainer.fit`` on the same loader in the same rounds, twice: at its
-default layout (NCHW) and with the model and inputs in channels_last, as an expert user writes it; with ``--compile``
-its model is compiled in the same mode as precisionloop's. Lightning runs at
-``bf16-mixed``, ``16-mixed`` or ``32-true`` with the backend flags of precisionloop's policy (TF32 but for fp32,
-cudnn.benchmark), with the same model, fused SGD and on-device normalisation of uint8 images (in
-``on_after_batch_transfer``). Lightning gets the same DataLoader wrapped as a plain iterable (:class:`Batches`),
-so that it does not shut the persistent workers down after each ``fit`` call. Each round builds a new ``lightning.Trainer`` for one epoch over the same
-``LightningModule``; the epoch is timed from ``on_train_epoch_start`` to ``on_train_epoch_end`` (the device
-synchronised at both), so Lightning's setup per ``fit`` call is not counted. ``fit``'s epoch is timed around the
-whole call, its setup included.
+default layout (NCHW) and with the model and inputs in channels_last, as an expert user writes it; with
+``--compile`` its model is compiled in precisionloop's mode. Lightning runs at ``bf16-mixed``, ``16-mixed`` or
+``32-true`` with the TF32 and cudnn.benchmark settings of precisionloop's policy, the same model and fused SGD, and
+uint8 images normalised on the device (in ``on_after_batch_transfer``).
+
+Each round calls ``fit`` on a new ``lightning.Trainer`` for one epoch of the same ``LightningModule``, which keeps
+one optimizer across calls. So that a round costs what an epoch of one long ``fit`` would, Lightning gets the
+DataLoader as a plain iterable (:class:`Batches`; it would shut the persistent workers down after each call), and
+a strategy that leaves the model, the optimizer and the CUDA cache on the device at the end of each call. Its
+epoch is timed from its request for the epoch's iterator to ``on_train_epoch_end``, the device synchronised at
+both; ``fit``'s around the whole call.
 """
 
 from __future__ import annotations
@@ -40,24 +42,39 @@ def lightning_systems(args, precision: str, loader) -> dict:
     """Lightning's ``Trainer.fit`` over ``loader``, NCHW and channels_last: name -> (epoch, backend-flags context)."""
     import lightning as L
 
-    class EpochTimer(L.Callback):
-        seconds = float("nan")
-
-        def on_train_epoch_start(self, trainer, module):
-            loader_bench._sync(args.device)
-            self.began = time.perf_counter()
-
-        def on_train_epoch_end(self, trainer, module):
-            loader_bench._sync(args.device)
-            self.seconds = time.perf_counter() - self.began
-
     policy = bench.policy_for(precision, args)
     mode = compile_mode(bench.compile_for(policy, args, args.device), args.device)
+    uint8 = loader.dataset.images.dtype == torch.uint8
+    transform = normalize_uint8(loader_bench.MEAN, loader_bench.STD) if uint8 else None
+    tf32 = getattr(policy, "tf32", True)
+    benchmark = tf32 if policy.cudnn_benchmark is None else policy.cudnn_benchmark
+    classifier, clock, keep_on_device = _lightning_classes(args, mode)
+
+    def system(channels_last: bool):
+        module, timer = classifier(channels_last, transform), clock()
+
+        def epoch() -> loader_bench.Timed:
+            trainer = L.Trainer(accelerator=args.device.type, devices=1, strategy=keep_on_device(device=args.device),
+                                precision=LIGHTNING[precision], max_epochs=1, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                                callbacks=[timer])
+            trainer.fit(module, Batches(loader, timer))
+            return loader_bench.Timed(timer.seconds)
+
+        return epoch, functools.partial(lightning_flags, tf32, benchmark)
+
+    return {"Lightning fit": system(False), "Lightning fit, channels_last": system(True)}
+
+
+def _lightning_classes(args, mode: str | None) -> tuple[type, type, type]:
+    """The LightningModule, the epoch clock and the strategy, made here: Lightning is imported only when it runs."""
+    import lightning as L
+    from lightning.pytorch.strategies import SingleDeviceStrategy
 
     class Classifier(L.LightningModule):
         def __init__(self, channels_last: bool, transform):
             super().__init__()
-            self.model, self.transform = bench.make_model(args), transform
+            self.model, self.transform, self.optimizer = bench.make_model(args), transform, None
             self.layout = torch.channels_last if channels_last else torch.contiguous_format
             self.model.to(memory_format=self.layout)
             if mode is not None:
@@ -76,40 +93,51 @@ def lightning_systems(args, precision: str, loader) -> dict:
             inputs, targets = batch
             return nn.functional.cross_entropy(self.model(inputs), targets)
 
-        def configure_optimizers(self):
-            return bench.make_optimizer(self.parameters(), args.fused, args.optimizer)
+        def configure_optimizers(self):  # one optimizer across fit calls, its state kept, as one long fit would
+            if self.optimizer is None:
+                self.optimizer = bench.make_optimizer(self.parameters(), args.fused, args.optimizer)
+            return self.optimizer
 
-    uint8 = loader.dataset.images.dtype == torch.uint8
-    transform = normalize_uint8(loader_bench.MEAN, loader_bench.STD) if uint8 else None
-    tf32 = precision != "fp32"  # as precisionloop's policies: strict fp32, TF32 for the others
+    class Clock(L.Callback):
+        """Started when Lightning asks for the epoch's iterator (:class:`Batches`); stopped at the epoch's end."""
 
-    def system(channels_last: bool):
-        module, timer = Classifier(channels_last, transform), EpochTimer()
+        seconds = float("nan")
 
-        def epoch() -> loader_bench.Timed:
-            trainer = L.Trainer(accelerator=args.device.type, devices=1, precision=LIGHTNING[precision], max_epochs=1,
-                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
-            trainer.fit(module, Batches(loader))
-            return loader_bench.Timed(timer.seconds)
+        def start(self):
+            loader_bench._sync(args.device)
+            self.began = time.perf_counter()
 
-        return epoch, functools.partial(lightning_flags, tf32)
+        def on_train_epoch_end(self, trainer, module):
+            loader_bench._sync(args.device)
+            self.seconds = time.perf_counter() - self.began
 
-    return {"Lightning fit": system(False), "Lightning fit, channels_last": system(True)}
+    class KeepOnDevice(SingleDeviceStrategy):
+        """Leaves the model, the optimizer and the CUDA cache on the device at the end of each ``fit`` call.
+
+        Lightning's own teardown moves them to the CPU and empties the cache, which one fit over many epochs does
+        once; per round it would put fresh memory (and, compiled, new CUDA graphs) into the epochs timed next.
+        """
+
+        def teardown(self) -> None:
+            self.precision_plugin.teardown()
+            self.checkpoint_io.teardown()
+
+    return Classifier, Clock, KeepOnDevice
 
 
 class Batches:
-    """The DataLoader as a plain iterable, for Lightning.
+    """The DataLoader as a plain iterable, for Lightning, starting ``clock`` when Lightning asks for an iterator.
 
     At the end of each ``fit`` call Lightning shuts a DataLoader's persistent workers down, which a run of one call
     over many epochs pays once; here the next system's epoch, or Lightning's own, would pay it each round. Handed
     this, Lightning leaves the workers to the DataLoader, as ``fit`` and the hand loop do.
     """
 
-    def __init__(self, loader):
-        self.loader = loader
+    def __init__(self, loader, clock):
+        self.loader, self.clock = loader, clock
 
     def __iter__(self):
+        self.clock.start()
         return iter(self.loader)
 
     def __len__(self) -> int:
@@ -117,8 +145,8 @@ class Batches:
 
 
 @contextlib.contextmanager
-def lightning_flags(tf32: bool):
-    """TF32 and cudnn.benchmark as precisionloop's policies set them, through the API Lightning reads.
+def lightning_flags(tf32: bool, benchmark: bool):
+    """TF32 and cudnn.benchmark as precisionloop's policy sets them, through the API Lightning reads.
 
     Lightning asks ``torch.get_float32_matmul_precision()``, which raises under the per-backend settings that
     precisionloop's policies use; so for Lightning the same flags are set the older way, and restored after.
@@ -126,7 +154,7 @@ def lightning_flags(tf32: bool):
     cudnn = torch.backends.cudnn
     saved = torch.get_float32_matmul_precision(), cudnn.benchmark, cudnn.allow_tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    cudnn.benchmark, cudnn.allow_tf32 = True, tf32
+    cudnn.benchmark, cudnn.allow_tf32 = benchmark, tf32
     try:
         yield
     finally:
@@ -135,6 +163,7 @@ def lightning_flags(tf32: bool):
 
 
 def main(argv: list[str] | None = None) -> list[loader_bench.Row]:
+    """Run the benchmark with ``resnet18_bench --loader``'s flags (``sys.argv`` by default); returns its rows."""
     args = bench.parse_args(["--loader", *(sys.argv[1:] if argv is None else argv)])
     if any(p not in LIGHTNING for p in args.precisions):
         raise SystemExit(f"--precisions: Lightning runs {', '.join(LIGHTNING)}, got {','.join(args.precisions)}")

@@ -220,6 +220,14 @@ def test_a_batch_with_nothing_on_the_host_is_moved_without_the_side_stream():
     assert log == [("move", on_device), ("move", "no tensors")]  # no side stream, no hand-over
 
 
+def test_a_batch_with_one_tensor_on_the_host_takes_the_side_stream():
+    log = []
+    mixed = (torch.zeros(2), torch.ones(2, device="meta"))  # one on the host, one already on a device
+    next_batch = feed.device_feed(lambda: mixed, lambda batch: batch, object(), FakeStreams(log))
+    assert next_batch() is mixed
+    assert log == [("side stream", mixed), ("back", None), ("hand over", mixed)]
+
+
 def test_a_failed_move_leaves_the_side_stream_and_hands_nothing_over():
     log, batch = [], (torch.zeros(1),)
 

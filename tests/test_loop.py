@@ -292,6 +292,18 @@ def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
     assert "compile=True" in warnings_given[0].getMessage()  # an eager step's launches compete with the loader
 
 
+def test_the_input_warning_names_compiling_only_for_an_eager_step(caplog):
+    from precisionloop import loop
+
+    record = {"data_fraction": 0.6, "epoch": 1}
+    for eager in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="precisionloop"):
+            assert loop._log_epoch(record, loop.FitOptions(epochs=1), 0, False, eager) is True
+        (message,) = [r.getMessage() for r in caplog.records]
+        assert ("compile=True" in message) == eager and "dataset that fits on the device" in message
+
+
 def test_a_fast_loader_gets_a_small_data_fraction_and_no_warning(caplog):
     trainer = make_trainer("fp32")
     loss_fn = trainer.loss_fn
