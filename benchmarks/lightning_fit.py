@@ -148,18 +148,29 @@ class Batches:
 def lightning_flags(tf32: bool, benchmark: bool):
     """TF32 and cudnn.benchmark as precisionloop's policy sets them, through the API Lightning reads.
 
-    Lightning asks ``torch.get_float32_matmul_precision()``, which raises under the per-backend settings that
-    precisionloop's policies use; so for Lightning the same flags are set the older way, and restored after.
+    Lightning asks ``torch.get_float32_matmul_precision()``, which raises once the per-backend ``fp32_precision``
+    settings (precisionloop's policies use them) have been set; so for Lightning the same flags are set the older
+    way, and every setting read here, per backend where torch has them, is put back after.
     """
-    cudnn = torch.backends.cudnn
-    saved = torch.get_float32_matmul_precision(), cudnn.benchmark, cudnn.allow_tf32
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _flag_settings()]
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    cudnn.benchmark, cudnn.allow_tf32 = benchmark, tf32
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = benchmark, tf32
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved[0])
-        cudnn.benchmark, cudnn.allow_tf32 = saved[1], saved[2]
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _flag_settings() -> list[tuple[object, str]]:
+    """The TF32 and cudnn.benchmark settings to restore: the per-backend ones (the generic first), else the legacy."""
+    b = torch.backends
+    if hasattr(b.cuda.matmul, "fp32_precision"):
+        owners = (b, b.cuda.matmul, b.mkldnn, getattr(b.mkldnn, "matmul", None), b.cudnn, b.cudnn.conv, b.cudnn.rnn)
+        found = [(o, "fp32_precision") for o in owners if o is not None and hasattr(o, "fp32_precision")]
+    else:
+        found = [(b.cuda.matmul, "allow_tf32"), (b.cudnn, "allow_tf32")]
+    return found + [(b.cudnn, "benchmark")]
 
 
 def main(argv: list[str] | None = None) -> list[loader_bench.Row]:

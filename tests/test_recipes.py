@@ -517,6 +517,20 @@ def test_the_loader_mode_times_a_peer_over_the_same_loader_by_its_own_clock(caps
     assert "fit / peer fit" in capsys.readouterr().out
 
 
+def test_lightning_flags_read_the_legacy_way_inside_and_restore_every_setting_after():
+    from precisionloop import get_policy
+
+    script = _benchmark_script("lightning_fit")  # imports no Lightning
+    settings = script._flag_settings()
+    before = [getattr(owner, name) for owner, name in settings]
+    with get_policy("tf32").backend_flags():  # per-backend settings, under which the legacy read raises
+        inside = [getattr(owner, name) for owner, name in settings]
+        with script.lightning_flags(tf32=False, benchmark=False):
+            assert torch.get_float32_matmul_precision() == "highest" and torch.backends.cudnn.benchmark is False
+        assert [getattr(owner, name) for owner, name in settings] == inside
+    assert [getattr(owner, name) for owner, name in settings] == before
+
+
 def test_the_lightning_fit_benchmark_runs_beside_fit_on_the_same_loader(capsys):
     pytest.importorskip("lightning", reason="the Lightning benchmark needs lightning (pip install lightning)")
     script = _benchmark_script("lightning_fit")
