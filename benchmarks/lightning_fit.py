@@ -10,12 +10,13 @@ default layout (NCHW) and with the model and inputs in channels_last, as an expe
 ``32-true`` with the TF32 and cudnn.benchmark settings of precisionloop's policy, the same model and fused SGD, and
 uint8 images normalised on the device (in ``on_after_batch_transfer``).
 
-Each round calls ``fit`` on a new ``lightning.Trainer`` for one epoch of the same ``LightningModule``, which keeps
-one optimizer across calls. So that a round costs what an epoch of one long ``fit`` would, Lightning gets the
-DataLoader as a plain iterable (:class:`Batches`; it would shut the persistent workers down after each call), and
-a strategy that leaves the model, the optimizer and the CUDA cache on the device at the end of each call. Its
-epoch is timed from its request for the epoch's iterator to ``on_train_epoch_end``, the device synchronised at
-both; ``fit``'s around the whole call.
+Each round calls ``fit`` on a new ``lightning.Trainer`` for one epoch of the same ``LightningModule``, timed from
+``on_train_epoch_start`` to ``on_train_epoch_end`` with the device synchronised at both, so that its setup per
+call is left out (its epoch's iterator is made just before); ``fit``'s epoch is timed around the whole call.
+Lightning gets the DataLoader as a plain iterable (:class:`Batches`): it would shut the persistent workers down
+after each call. Its own teardown still moves the model to the CPU and empties the CUDA cache after each call, so
+its first steps each round, and the next system's, allocate afresh, and compiled ones record their CUDA graphs
+again: against Lightning under ``--compile``.
 """
 
 from __future__ import annotations
@@ -48,17 +49,16 @@ def lightning_systems(args, precision: str, loader) -> dict:
     transform = normalize_uint8(loader_bench.MEAN, loader_bench.STD) if uint8 else None
     tf32 = getattr(policy, "tf32", True)
     benchmark = tf32 if policy.cudnn_benchmark is None else policy.cudnn_benchmark
-    classifier, clock, keep_on_device = _lightning_classes(args, mode)
+    classifier, clock = _lightning_classes(args, mode)
 
     def system(channels_last: bool):
         module, timer = classifier(channels_last, transform), clock()
 
         def epoch() -> loader_bench.Timed:
-            trainer = L.Trainer(accelerator=args.device.type, devices=1, strategy=keep_on_device(device=args.device),
-                                precision=LIGHTNING[precision], max_epochs=1, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                                callbacks=[timer])
-            trainer.fit(module, Batches(loader, timer))
+            trainer = L.Trainer(accelerator=args.device.type, devices=1, precision=LIGHTNING[precision], max_epochs=1,
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
+            trainer.fit(module, Batches(loader))
             return loader_bench.Timed(timer.seconds)
 
         return epoch, functools.partial(lightning_flags, tf32, benchmark)
@@ -66,15 +66,14 @@ def lightning_systems(args, precision: str, loader) -> dict:
     return {"Lightning fit": system(False), "Lightning fit, channels_last": system(True)}
 
 
-def _lightning_classes(args, mode: str | None) -> tuple[type, type, type]:
-    """The LightningModule, the epoch clock and the strategy, made here: Lightning is imported only when it runs."""
+def _lightning_classes(args, mode: str | None) -> tuple[type, type]:
+    """The LightningModule and the epoch clock, made here: Lightning is imported only when the benchmark runs."""
     import lightning as L
-    from lightning.pytorch.strategies import SingleDeviceStrategy
 
     class Classifier(L.LightningModule):
         def __init__(self, channels_last: bool, transform):
             super().__init__()
-            self.model, self.transform, self.optimizer = bench.make_model(args), transform, None
+            self.model, self.transform = bench.make_model(args), transform
             self.layout = torch.channels_last if channels_last else torch.contiguous_format
             self.model.to(memory_format=self.layout)
             if mode is not None:
@@ -93,17 +92,15 @@ def _lightning_classes(args, mode: str | None) -> tuple[type, type, type]:
             inputs, targets = batch
             return nn.functional.cross_entropy(self.model(inputs), targets)
 
-        def configure_optimizers(self):  # one optimizer across fit calls, its state kept, as one long fit would
-            if self.optimizer is None:
-                self.optimizer = bench.make_optimizer(self.parameters(), args.fused, args.optimizer)
-            return self.optimizer
+        def configure_optimizers(self):
+            return bench.make_optimizer(self.parameters(), args.fused, args.optimizer)
 
     class Clock(L.Callback):
-        """Started when Lightning asks for the epoch's iterator (:class:`Batches`); stopped at the epoch's end."""
+        """The epoch from ``on_train_epoch_start`` to ``on_train_epoch_end``, the device synchronised at both."""
 
         seconds = float("nan")
 
-        def start(self):
+        def on_train_epoch_start(self, trainer, module):
             loader_bench._sync(args.device)
             self.began = time.perf_counter()
 
@@ -111,33 +108,21 @@ def _lightning_classes(args, mode: str | None) -> tuple[type, type, type]:
             loader_bench._sync(args.device)
             self.seconds = time.perf_counter() - self.began
 
-    class KeepOnDevice(SingleDeviceStrategy):
-        """Leaves the model, the optimizer and the CUDA cache on the device at the end of each ``fit`` call.
-
-        Lightning's own teardown moves them to the CPU and empties the cache, which one fit over many epochs does
-        once; per round it would put fresh memory (and, compiled, new CUDA graphs) into the epochs timed next.
-        """
-
-        def teardown(self) -> None:
-            self.precision_plugin.teardown()
-            self.checkpoint_io.teardown()
-
-    return Classifier, Clock, KeepOnDevice
+    return Classifier, Clock
 
 
 class Batches:
-    """The DataLoader as a plain iterable, for Lightning, starting ``clock`` when Lightning asks for an iterator.
+    """The DataLoader as a plain iterable, for Lightning.
 
     At the end of each ``fit`` call Lightning shuts a DataLoader's persistent workers down, which a run of one call
     over many epochs pays once; here the next system's epoch, or Lightning's own, would pay it each round. Handed
     this, Lightning leaves the workers to the DataLoader, as ``fit`` and the hand loop do.
     """
 
-    def __init__(self, loader, clock):
-        self.loader, self.clock = loader, clock
+    def __init__(self, loader):
+        self.loader = loader
 
     def __iter__(self):
-        self.clock.start()
         return iter(self.loader)
 
     def __len__(self) -> int:
