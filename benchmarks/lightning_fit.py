@@ -160,9 +160,14 @@ def _flag_settings() -> list[tuple[object, str]]:
 
 def main(argv: list[str] | None = None) -> list[loader_bench.Row]:
     """Run the benchmark with ``resnet18_bench --loader``'s flags (``sys.argv`` by default); returns its rows."""
-    args = bench.parse_args(["--loader", *(sys.argv[1:] if argv is None else argv)])
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(__doc__.strip() + "\n\nThe flags below are resnet18_bench's; --loader is given already.\n")
+    args = bench.parse_args(["--loader", *argv])
     if any(p not in LIGHTNING for p in args.precisions):
         raise SystemExit(f"--precisions: Lightning runs {', '.join(LIGHTNING)}, got {','.join(args.precisions)}")
+    if args.device.type == "cpu" and "fp16" in args.precisions:  # it would train bf16 and call it fp16
+        raise SystemExit("--precisions fp16: on the CPU Lightning trains 16-mixed as bf16-mixed; leave fp16 out there")
     try:
         import lightning  # noqa: F401
     except ImportError:

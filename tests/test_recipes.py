@@ -540,6 +540,8 @@ def test_the_lightning_fit_benchmark_runs_beside_fit_on_the_same_loader(capsys):
     assert {"Lightning fit", "Lightning fit, channels_last", "fit", "hand loop"} <= set(timed)
     assert all(len(ms) == 1 and ms[0] > 0 for ms in timed.values())
     assert "fit / Lightning fit, channels_last" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="on the CPU Lightning trains 16-mixed as bf16-mixed"):
+        script.main(["--device", "cpu", "--precisions", "bf16,fp16"])
 
 
 def test_the_loader_mode_with_compile_compiles_every_system_it_builds(capsys, monkeypatch):
@@ -560,6 +562,10 @@ def test_the_loader_mode_with_compile_compiles_every_system_it_builds(capsys, mo
     (["--loader", "--images", "1"], "--images (1) must hold at least one batch of 8"),
     (["--loader", "--workers", "-1"], "--workers must be >= 0"),
     (["--loader", "--image-dtypes", "float16"], "--image-dtypes takes float32 and/or uint8"),
+    (["--loader", "--iters", "5", "--no-hand-loop"], "--iters, --no-hand-loop: not for --loader"),
+    (["--loader", "--plot", "x.png"], "--plot: not for --loader"),
+    (["--loader", "--warmup", "0", "--method", "pipelined", "--no-memory-table"],
+     "--warmup, --method, --no-memory-table: not for --loader"),
 ])
 def test_the_loader_mode_refuses_bad_arguments_before_measuring(flags, message, capsys):
     with pytest.raises(SystemExit):

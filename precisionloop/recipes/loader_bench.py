@@ -57,14 +57,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "by the Trainer's input_transform); default both")
 
 
-def settle(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Check the ``--loader`` flags and fill in their defaults; the mode's flags without ``--loader`` are refused."""
+def settle(p: argparse.ArgumentParser, args: argparse.Namespace, parsed: argparse.Namespace) -> None:
+    """Check the ``--loader`` flags and fill in their defaults; the mode's flags without ``--loader`` are refused, and
+    with it the step mode's flags it would ignore (``parsed``: the flags before any default was filled in)."""
     given = [f for f, v in (("--images", args.images), ("--workers", args.workers), ("--pin-memory", args.pin_memory),
                             ("--image-dtypes", args.image_dtypes)) if v is not None]
     if not args.loader:
         if given:
             p.error(f"{', '.join(given)} only apply with --loader")
         return
+    raw = parsed
+    ignored = [f for f, on in (("--iters", raw.iters is not None), ("--warmup", raw.warmup is not None),
+                               ("--method", raw.method != "auto"), ("--blocks", raw.blocks is not None),
+                               ("--no-hand-loop", raw.no_hand_loop), ("--plot", raw.plot is not None),
+                               ("--no-memory-table", raw.memory_table is False)) if on]
+    if ignored:
+        p.error(f"{', '.join(ignored)}: not for --loader, which times one epoch per system and round (its length "
+                "set by --images and --batch-sizes, the rounds by --rounds) and always runs the hand loop")
     cuda = args.device.type == "cuda"
     for flag, value in (("--model transformer", args.model == "transformer"), ("--distributed", args.distributed),
                         ("--autotune", args.autotune)):

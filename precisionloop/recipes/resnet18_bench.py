@@ -365,6 +365,7 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _parser()
     args = p.parse_args(argv)
+    parsed = argparse.Namespace(**vars(args))  # the flags as given, before the defaults below fill them in
     device = _parse_device(p, args.device)
     cuda = device.type == "cuda"
     args.device = device
@@ -396,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not cuda:
         args.notes.append(_cpu_note(args))
     max_batch.check_arguments(p, args)
-    loader_bench.settle(p, args)
+    loader_bench.settle(p, args, parsed)
     return args
 
 
