@@ -47,8 +47,6 @@ class CudaStreams:
 def device_feed(pull: Callable[[], Any], move: Callable[[Any], Any], end: object, streams) -> Callable[[], Any]:
     """A function giving ``pull()``'s next batch moved by ``move`` on the side stream of ``streams``, or ``end``.
 
-    A batch with no tensor on the host (already on the device, or no tensors at all) is moved on the current stream.
-
     Args:
         pull: the loader's next batch, or ``end`` when it has no more.
         move: the batch on the device (``Trainer.to_device``).
@@ -58,8 +56,6 @@ def device_feed(pull: Callable[[], Any], move: Callable[[Any], Any], end: object
         batch = pull()
         if batch is end:
             return end
-        if not any(t.device.type == "cpu" for t in tensors(batch)):
-            return move(batch)  # nothing crosses from the host: the stream handover would cost host time for nothing
         with streams.copying(batch):
             batch = move(batch)
         streams.hand_over(batch)

@@ -210,24 +210,6 @@ def test_the_feed_moves_each_batch_on_the_side_stream_then_hands_it_over():
         ("pull", None), ("side stream", "b"), ("move", "b"), ("back", None), ("hand over", "B"), ("pull", None)]
 
 
-def test_a_batch_with_nothing_on_the_host_is_moved_without_the_side_stream():
-    log = []
-    on_device = {"x": torch.zeros(2, device="meta"), "y": [torch.ones(2, device="meta")], "n": 3}
-    source = iter([on_device, "no tensors"])
-    next_batch = feed.device_feed(lambda: next(source), lambda batch: log.append(("move", batch)) or batch,
-                                  object(), FakeStreams(log))
-    assert next_batch() is on_device and next_batch() == "no tensors"
-    assert log == [("move", on_device), ("move", "no tensors")]  # no side stream, no hand-over
-
-
-def test_a_batch_with_one_tensor_on_the_host_takes_the_side_stream():
-    log = []
-    mixed = (torch.zeros(2), torch.ones(2, device="meta"))  # one on the host, one already on a device
-    next_batch = feed.device_feed(lambda: mixed, lambda batch: batch, object(), FakeStreams(log))
-    assert next_batch() is mixed
-    assert log == [("side stream", mixed), ("back", None), ("hand over", mixed)]
-
-
 def test_a_failed_move_leaves_the_side_stream_and_hands_nothing_over():
     log, batch = [], (torch.zeros(1),)
 
