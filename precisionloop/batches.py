@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-__all__ = ["to_device", "on_device", "normalize_uint8", "batch_size", "pair", "check_pair"]
+__all__ = ["to_device", "on_device", "normalize_uint8", "note_uint8_inputs", "batch_size", "pair", "check_pair"]
 
 
 def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format) -> Any:
@@ -45,8 +45,36 @@ def on_device(batch: Any, device: torch.device, memory_format: torch.memory_form
                             "the inputs as a tensor with the same batch size (the first dimension)")
         batch = (out, targets)
     else:
-        batch = transform(batch)
+        out = transform(batch)
+        if not _same_kind(out, batch):
+            raise TypeError(f"input_transform returned {type(out).__name__} for a batch that is a "
+                            f"{type(batch).__name__}: with forward_batch or compute_loss overridden it gets the whole "
+                            "batch and must return one of the same kind (a dict for a dict, a tuple or list for one)")
+        batch = out
     return to_device(batch, device, memory_format)
+
+
+def _same_kind(out: Any, batch: Any) -> bool:
+    """Whether a whole-batch transform's result is a batch like the one it was given."""
+    for kind in (Mapping, (list, tuple), torch.Tensor):
+        if isinstance(batch, kind):
+            return isinstance(out, kind)
+    return out is not None
+
+
+def note_uint8_inputs(error: BaseException, batch: Any, transform: Callable | None, pairs: bool) -> None:
+    """Add a note to an error raised on uint8 inputs given with no ``input_transform``: the usual cause is images
+    that were never turned into floats."""
+    if transform is not None or not pairs or not hasattr(error, "add_note"):
+        return
+    try:
+        inputs, _ = pair(batch)
+    except TypeError:
+        return
+    if isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8:
+        error.add_note("The inputs are uint8 and no input_transform is set. For uint8 images, pass "
+                       "input_transform=precisionloop.normalize_uint8(mean, std) to the Trainer, which turns them "
+                       "into normalised floats on the device")
 
 
 class _NormalizeUint8:

@@ -141,6 +141,10 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
             repr(input_transform)[:80])
         raise ValueError(f"input_transform must be a callable run on the device on each batch's inputs, such as "
                          f"precisionloop.normalize_uint8(mean, std), or None; got {what}")
+    if input_transform is not None and not _takes_one_argument(input_transform):
+        raise ValueError(f"input_transform {getattr(input_transform, '__name__', repr(input_transform)[:80])} cannot "
+                         "be called with one argument (the inputs). normalize_uint8 builds a transform: pass "
+                         "input_transform=normalize_uint8(mean, std), called")
     if scheduler is not None and (isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None))):
         raise ValueError(f"scheduler must be an LR scheduler instance built on the optimizer, got {scheduler!r}")
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
@@ -152,6 +156,17 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
         check_real("max_grad_norm", max_grad_norm, lambda v: 0 < v < float("inf"), "a finite number > 0, or None")
     for name, value in flags.items():
         check_flag(name, value)
+
+
+def _takes_one_argument(fn: Callable) -> bool:
+    """Whether ``fn(x)`` binds; True where the signature cannot be read (some builtins)."""
+    try:
+        inspect.signature(fn).bind(None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def check_scheduler_interval(scheduler: Any, interval: Any) -> None:

@@ -197,8 +197,12 @@ class Trainer:
             batches.check_pair(batch)  # refused here, not in the step (it drops the window)
         if self._autotune_compile is not None:
             self._run_autotune(self._on_device(batch))  # the candidates get what the model will
-        with self.policy.backend_flags():
-            return self.engine.step(self._on_device(batch))
+        try:
+            with self.policy.backend_flags():
+                return self.engine.step(self._on_device(batch))
+        except RuntimeError as e:
+            batches.note_uint8_inputs(e, batch, self.input_transform, self.takes_pairs())
+            raise
 
     def flush(self) -> StepResult | None:
         """Take the optimizer step for an open accumulation window, its gradients averaged; None if none is open.

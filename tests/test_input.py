@@ -8,6 +8,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import sys
 
 import pytest
 import torch
@@ -143,6 +144,44 @@ def test_normalize_uint8_given_the_whole_batch_says_how_to_wrap_it():
                           input_transform=normalize_uint8(MEAN, STD))
     with pytest.raises(TypeError, match="got dict .*input_transform gets the whole batch: wrap it"):
         trainer.step(dict_batch(1))
+
+
+def test_normalize_uint8_passed_uncalled_is_refused_when_the_trainer_is_built():
+    model = Probe()
+    with pytest.raises(ValueError, match=r"normalize_uint8 cannot be called with one argument.*normalize_uint8\(mean, std\), called"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", input_transform=normalize_uint8)
+
+
+@pytest.mark.parametrize("transform, what", [(lambda b: None, "NoneType"), (lambda b: b["x"], "Tensor"),
+                                             (lambda b: [b["x"], b["y"]], "list")])
+def test_a_whole_batch_transform_that_returns_another_kind_of_batch_is_named_before_the_model_runs(transform, what):
+    m = net()
+    before = [p.detach().clone() for p in m.parameters()]
+    trainer = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu", input_transform=transform)
+    with pytest.raises(TypeError, match=f"input_transform returned {what} for a batch that is a dict"):
+        trainer.step(dict_batch(1))
+    assert trainer.global_step == 0 and all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are new in Python 3.11")
+def test_uint8_images_without_a_transform_fail_with_a_note_that_names_normalize_uint8():
+    model, trainer = _probe_trainer()
+    images, labels = uint8_images(n=4)
+    for run in (lambda: trainer.step((images, labels)), lambda: trainer.evaluate([(images, labels)])):
+        with pytest.raises(RuntimeError) as failed:
+            run()
+        assert any("input_transform=precisionloop.normalize_uint8(mean, std)" in n for n in failed.value.__notes__)
+    assert trainer.global_step == 0
+
+
+def test_a_model_that_takes_uint8_itself_trains_with_no_transform_and_no_note():
+    class ScalesItself(Probe):
+        def forward(self, x):
+            return super().forward(x.float() / 255)
+
+    model = ScalesItself()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    assert trainer.step(uint8_images(n=4)).stepped
 
 
 def test_a_subclass_with_its_own_batch_shape_gets_the_whole_batch():

@@ -288,8 +288,16 @@ def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
     assert all(r["data_fraction"] > 0.5 and r["data_s"] >= 3 * 0.5 for r in history)
     warnings_given = [r for r in caplog.records if "waited for input" in r.getMessage()]
     assert len(warnings_given) == 1 and "not the precision" in warnings_given[0].getMessage()
-    assert "workers" in warnings_given[0].getMessage() and "uint8" in warnings_given[0].getMessage()
-    assert "compile=True" in warnings_given[0].getMessage()  # an eager step's launches compete with the loader
+    message = warnings_given[0].getMessage()
+    assert "workers" in message and "pin_memory" not in message  # on the CPU nothing is copied to a device
+
+
+def test_the_input_warning_gives_only_the_fixes_for_the_device():
+    from precisionloop import loop
+
+    cpu, cuda = loop._input_advice(True, cuda=False), loop._input_advice(True, cuda=True)
+    assert "workers" in cpu and not any(word in cpu for word in ("pin_memory", "on the device", "compile"))
+    assert all(word in cuda for word in ("workers", "uint8", "pin_memory", "on the device"))
 
 
 def test_the_input_warning_names_compiling_only_for_an_eager_step(caplog):
@@ -299,7 +307,7 @@ def test_the_input_warning_names_compiling_only_for_an_eager_step(caplog):
     for eager in (True, False):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="precisionloop"):
-            assert loop._log_epoch(record, loop.FitOptions(epochs=1), 0, False, eager) is True
+            assert loop._log_epoch(record, loop.FitOptions(epochs=1), 0, False, eager, cuda=True) is True
         (message,) = [r.getMessage() for r in caplog.records]
         assert ("compile=True" in message) == eager and "dataset that fits on the device" in message
 
