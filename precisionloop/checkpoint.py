@@ -118,7 +118,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def _set_cpu_rngs(state: dict, torch_rng: Any, python_rng: Any, numpy_rng: Any) -> None:
-    """Load ``state``'s torch, Python and numpy entries into these generators: the global ones, or fresh ones as a test."""
+    """Load ``state``'s torch, Python and numpy entries into generators: the global ones, or fresh ones to test."""
     torch_rng.set_state(state["torch"])
     version, internal, gauss = state["python"]
     python_rng.setstate((version, tuple(internal), gauss))
@@ -132,7 +132,7 @@ def _set_cpu_rngs(state: dict, torch_rng: Any, python_rng: Any, numpy_rng: Any) 
 
 
 def _rng_problem(state: Any) -> str | None:
-    """Why :func:`set_rng_state` would fail on ``state``, found by loading it into fresh generators; None if it would not."""
+    """Why :func:`set_rng_state` would fail on ``state`` (tried on fresh generators), or None."""
     try:
         _set_cpu_rngs(state, torch.Generator(), random.Random(), None if np is None else np.random.RandomState())
         cuda = state.get("cuda", [])
@@ -142,9 +142,6 @@ def _rng_problem(state: Any) -> str | None:
     except Exception as e:  # whatever the generators refuse: a missing key, a wrong type or size
         return f"{type(e).__name__}: {str(e)[:120]}"
     return None
-
-
-# The Trainer's state --------------------------------------------------------------------------------------------
 
 
 def trainer_state(trainer) -> dict:
@@ -201,7 +198,7 @@ def _as_builtin(value: Any) -> Any:
 
 
 def policy_options(policy: PrecisionPolicy) -> tuple[dict, list[str]]:
-    """The policy's settings but ``keep_fp32`` as builtin values (tuples as lists), and the names of those that are not."""
+    """The policy's settings but ``keep_fp32`` as builtins (tuples as lists), and the names of those that are not."""
     options, unrecorded = {}, []
     for field in dataclasses.fields(policy):
         if not field.init or not field.compare or field.name == "keep_fp32":
@@ -317,7 +314,7 @@ def load_state(trainer, state: dict, source: str) -> None:
 
 
 def restore_trainer(trainer, state: dict) -> None:
-    """Load what :func:`trainer_state` returned into ``trainer``; call :func:`check_fits` first, so a misfit changes nothing."""
+    """Load a :func:`trainer_state` into ``trainer``; call :func:`check_fits` first, so a misfit changes nothing."""
     engine, loop = trainer.engine, trainer.loop_state
     engine.discard_pending()  # not booked: the counters, stats and scheduler it would change are replaced below
     engine.discard_window()  # gradients of an open window belong to the run being replaced
@@ -337,7 +334,7 @@ def restore_trainer(trainer, state: dict) -> None:
 
 def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, source: str, scheduler=None, *,
                stats_type: type | None = None, guard: Any = None) -> None:
-    """Refuse, before anything changes, a state that is incomplete or whose tensors, optimizer or scheduler do not fit.
+    """Refuse, before any change, a state that is incomplete or whose tensors, optimizer or scheduler do not fit.
 
     Args:
         stats_type: the dataclass the saved stats must fill (the engine's ``TrainStats``).
@@ -448,10 +445,8 @@ def check_scaler(state: dict, guard: Any, source: str) -> None:
 
 def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> list[str]:
     """Per-parameter state tensors whose shapes could not step the parameter, and hyperparameters of another kind.
-
-    A tensor is compared with the live optimizer's state for it where there is one; else, for torch's own optimizers,
-    it must broadcast to its parameter (Adafactor keeps a row and a column). Others may keep state of any shape.
-    """
+    A tensor is compared with the live state where there is one; else, for torch's own optimizers, it must broadcast
+    to its parameter (Adafactor keeps a row and a column); others may keep state of any shape."""
     params = dict(_dist.unwrap(model).named_parameters())
     builtin = type(optimizer).__module__.startswith("torch.optim")
     problems = []
@@ -498,9 +493,8 @@ def _same_kind(saved: Any, live: Any) -> bool:
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: str | None) -> tuple[dict, dict]:
     """The model's and optimizer's state in one layout whatever the run: parameter names, unsharded under FSDP2."""
-    # torch.distributed.checkpoint's helpers give that layout, so checkpoints move between one process, DDP and
-    # FSDP2. They would initialise an empty optimizer with a zero-lr step (Adam's step count changes), so an
-    # optimizer with no state yet is written out here.
+    # torch.distributed.checkpoint's helpers give that layout (checkpoints move between one process, DDP and FSDP2),
+    # but would initialise an empty optimizer with a zero-lr step (Adam's step count changes): that one is done here.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     full = distributed == "fsdp"
@@ -514,11 +508,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: 
 
 
 def _unwrap_tensor_subclasses(value: Any) -> Any:
-    """``value`` (nested dicts, lists, tuples) with tensor subclasses replaced by the plain tensors they wrap.
-
-    A weight FSDP2 all-gathers in fp8 is torchao's wrapper subclass, which FSDP2's full state dict keeps under
-    one process: saved as is, the checkpoint would load only where torchao is imported.
-    """
+    """``value`` (nested dicts, lists, tuples) with tensor subclasses replaced by the plain tensors they wrap: under
+    one process FSDP2's full state dict keeps an fp8-all-gathered weight as torchao's wrapper subclass, which saved
+    as is would load only where torchao is imported."""
     if isinstance(value, dict):
         return {k: _unwrap_tensor_subclasses(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -74,8 +74,8 @@ _HOOKS = ("on_step_end", "on_epoch_end")
 def check_callbacks(callbacks: Any) -> None:
     """Raise unless ``callbacks`` is a list or tuple of objects whose hooks, where they have them, are callable.
 
-    A bare function would be skipped without a word, and a class would fail at the first step
-    (unless its hooks are static or class methods).
+    A bare function would be skipped silently; a class fails at the first step unless its hooks are static or
+    class methods.
     """
     if not isinstance(callbacks, (list, tuple)):
         raise ValueError(f"callbacks must be a list or tuple of callback objects, got {type(callbacks).__name__}")

@@ -129,7 +129,7 @@ def gradient_underflow(
 def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dict:
     """The headline numbers of :func:`gradient_underflow`, which ``fit(underflow_every=N)`` keeps.
 
-    All-zero or absent gradients are a measurement with nothing in it (``nonzero`` 0, fractions None).
+    All-zero or absent gradients give ``nonzero`` 0 and fractions None.
     """
     record = {"dtype": str(dtype).replace("torch.", ""), "scale": float(scale), "nonzero": 0,
               "median_abs": None, "underflow": None, "underflow_scaled": None}

@@ -1,7 +1,6 @@
 """torchrun support: the process group, DDP and FSDP2 wrapping under a precision policy, data sharding.
 
-torch.distributed is used as it is; added are only what the policy decides (FSDP2's MixedPrecisionPolicy,
-the sharded loss scaler) and what makes one script run the same with one process or many.
+It adds to torch.distributed only what the policy decides and what lets one script run on one process or many.
 """
 
 from __future__ import annotations
@@ -79,8 +78,7 @@ def resolve(mode: str | None, device: torch.device | None) -> tuple[str | None, 
     return mode, device
 
 
-# torch's fused kernels that take FSDP2's DTensor parameters; SGD's and Adagrad's raise
-# "... does not have a sharding strategy registered".
+# torch's fused kernels that take FSDP2's DTensors; SGD's and Adagrad's raise "does not have a sharding strategy ..."
 FSDP_FUSED = (torch.optim.Adam, torch.optim.AdamW)
 
 
@@ -164,7 +162,6 @@ def _shard(model: nn.Module, policy: PrecisionPolicy, device: torch.device) -> n
 
     # The Trainer's device: fully_shard's default mesh takes the machine's accelerator, even for a CPU run.
     mesh = init_device_mesh(device.type, (world_size(),))
-    # Parameters in the compute dtype for forward and backward, gradients reduced in fp32.
     mp = MixedPrecisionPolicy(param_dtype=policy.compute_dtype if policy.compute_dtype != torch.float32 else None,
                               reduce_dtype=torch.float32)
     # Batch norms keep fp32 parameters for their fp32 running statistics (as autocast does); keep_fp32 modules too.

@@ -1,8 +1,7 @@
 """Keep chosen submodules in float32 while the rest of the model runs under autocast.
 
-:func:`keep_fp32_` replaces each kept instance's ``forward`` with :class:`_FP32Forward`. No module or hook is
-added, so ``state_dict`` keys, ``repr`` and ``type(module)`` (which FSDP2's ``fully_shard`` swaps) are unchanged;
-an exception cannot leave autocast off; dynamo traces it without a graph break.
+Only each kept instance's ``forward`` is replaced, so ``state_dict`` keys, ``repr`` and ``type(module)`` (which
+FSDP2 swaps) are unchanged, an exception cannot leave autocast off, and dynamo traces it without a graph break.
 """
 
 from __future__ import annotations
@@ -92,10 +91,9 @@ def _callable_parts(name: str, module: nn.Module) -> list[tuple[str, nn.Module]]
 def keep_fp32_(model: nn.Module, entries: Any) -> list[str]:
     """Make the selected submodules of ``model`` run in float32, in place; returns their names.
 
-    Their forward runs with autocast off (cpu, cuda and the inputs' device type) and float inputs below fp32,
-    nested in tuples, lists and dicts too, cast to float32; float64 is left alone, as ``custom_fwd`` does.
-    The kept set becomes exactly what ``entries`` selects: no module is wrapped twice, and modules an
-    earlier call kept that these entries do not select run normally again.
+    Their forward runs with autocast off (cpu, cuda and the inputs' device type) and float inputs below fp32, nested
+    in tuples, lists and dicts too, cast to float32 (float64 left alone, as ``custom_fwd`` does). The kept set becomes
+    exactly what ``entries`` selects: nothing is wrapped twice, and modules kept before but not now run normally.
 
     Raises:
         TypeError, ValueError: as :func:`select_modules`.
@@ -152,11 +150,9 @@ def entry_names(entries: tuple) -> list[str]:
 
 
 class _FP32Forward:
-    """The replacement ``forward`` of one kept module: autocast off, fp32 inputs.
-
-    It holds the module, not a bound method (a cycle deepcopy and pickle handle), and the instance's own earlier
-    ``forward``, if any; otherwise it calls the class's, looked up at call time so that FSDP2's class swap is honoured.
-    """
+    """A kept module's ``forward``: autocast off, fp32 inputs. It holds the module, not a bound method (a cycle deepcopy
+    and pickle handle), and calls the instance's earlier ``forward`` if any, else the class's, looked up at call time
+    so that FSDP2's class swap is honoured."""
 
     def __init__(self, module: nn.Module):
         self.module = module

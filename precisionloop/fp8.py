@@ -1,7 +1,6 @@
-"""fp8 training through torchao: the requirements, and which ``nn.Linear`` layers to convert.
+"""fp8 training through torchao (optional, imported only when needed): requirements, and which layers to convert.
 
-torchao is optional (``pip install "precisionloop[fp8]"``) and imported only when an fp8 policy prepares a model.
-Its ``Float8Linear`` keeps ``nn.Linear``'s ``weight``/``bias`` names, so checkpoints move between fp8 and bf16/fp32.
+``Float8Linear`` keeps ``nn.Linear``'s ``weight``/``bias`` names, so checkpoints move between fp8 and bf16/fp32.
 """
 
 from __future__ import annotations
@@ -54,10 +53,7 @@ def check_device(device: torch.device, emulate: bool) -> None:
 
 
 def eligible(name: str, linear: nn.Module) -> str | None:
-    """Why ``linear`` cannot be converted to fp8 ("in_features 30 is not a multiple of 16"), or None if it can.
-
-    ``name`` is for the message. In and out features must be multiples of :data:`ALIGNMENT`.
-    """
+    """Why fp8 cannot convert ``linear`` (``name`` in messages): "in_features 30 is not a multiple of 16"; or None."""
     if not isinstance(linear, nn.Linear):
         return f"{name or '<root>'} is a {type(linear).__name__}, not an nn.Linear"
     if is_float8_linear(linear):
@@ -172,9 +168,9 @@ def wrap_for_fp8_all_gather(model: nn.Module) -> list[str]:
     """Make FSDP2 all-gather the converted layers' weights in fp8 instead of bf16; returns the layers' names.
 
     As torchao's ``Float8Linear.from_float(enable_fsdp_float8_all_gather=True)``: each weight becomes a new
-    ``nn.Parameter`` over ``WeightWithDynamicFloat8CastTensor``, which casts each shard to fp8 before the
-    all-gather. Call it just before ``fully_shard``; an optimizer holding the old Parameters must be repointed
-    (``distributed.wrap`` does, by name). Weights already wrapped are left as they are.
+    ``nn.Parameter`` over ``WeightWithDynamicFloat8CastTensor``, which casts each shard to fp8 before the all-gather.
+    Call it just before ``fully_shard``, then repoint the optimizer (``distributed.wrap`` does, by name); weights
+    already wrapped are left as they are.
 
     Raises:
         ValueError: before any change: torchao is missing, a layer does not scale its weight tensorwise (the
@@ -248,9 +244,8 @@ def fp8_all_gather_layers(model: nn.Module) -> list[str]:
 def precompute_scales(model: nn.Module) -> None:
     """Compute the fp8 scales of every fp8-all-gathered weight of ``model`` in one all-reduce.
 
-    torchao's ``precompute_float8_dynamic_scale_for_fsdp``: without it, each layer's all-gather
-    all-reduces its own weight's amax. Call it whenever the weights change (after an optimizer
-    step, after loading a checkpoint): a scale left from older weights would clip larger ones.
+    torchao's ``precompute_float8_dynamic_scale_for_fsdp``; without it each layer's all-gather all-reduces its own
+    amax. Call it whenever the weights change (optimizer step, checkpoint load): a stale scale would clip larger ones.
     """
     require_torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
@@ -260,24 +255,22 @@ class FP8Policy(BF16Policy):
     """fp8 matmuls in chosen ``nn.Linear`` layers (torchao's float8 training), bf16 autocast for the rest.
 
     Needs torchao (``pip install "precisionloop[fp8]"``) and a CUDA GPU of compute capability 8.9 or higher. fp8
-    pays only on large matmuls, and only compiled: ``precisionloop.autotune`` times each layer at the shapes it sees
-    and converts those that gain.
+    pays only on large matmuls, and only compiled: ``precisionloop.autotune`` times it at the default layers and at
+    every layer it can take.
 
     Args:
         recipe: torchao's scaling recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``.
-        layers: names (as in ``model.named_modules()``) of the ``nn.Linear`` layers to convert; ``None`` converts
-            every one whose dimensions are multiples of 16, except the first and the last. Only plain
-            ``nn.Linear`` layers without hooks convert (torchao replaces the module). A policy that would convert
-            no layer is refused.
+        layers: names (as in ``model.named_modules()``) of the ``nn.Linear`` layers to convert; ``None``: every one
+            with both dimensions multiples of 16 but the first and the last. Only plain ``nn.Linear`` layers without
+            hooks convert (torchao replaces the module); a policy that would convert no layer is refused.
         emulate: emulate the fp8 matmuls in fp32, on any device (for tests; slow).
-        fsdp_float8_all_gather: under ``distributed="fsdp"``, all-gather the converted layers' weights in fp8
-            (torchao's fp8 all-gather: half bf16's traffic), their scales computed in one all-reduce after each
-            optimizer step. Only the ``"tensorwise"`` recipe can; the others all-gather bf16 and log so. On the
-            CPU (gloo, which has no fp8 dtypes) every converted layer needs a bias, or this must be False. A
-            converted weight shared with a module that is not converted is refused (the all-gather would untie
-            them). Weights changed outside the Trainer's steps and loads (``model.load_state_dict``, an EMA swap)
-            keep the old weights' all-gather scales until the next optimizer step, which can clip them: change
-            them through ``Trainer.load``.
+        fsdp_float8_all_gather: under ``distributed="fsdp"``, all-gather the converted layers' weights in fp8 (half
+            bf16's traffic), their scales computed in one all-reduce after each optimizer step. Only the
+            ``"tensorwise"`` recipe can; the others all-gather bf16 and log so. On the CPU (gloo has no fp8 dtypes)
+            every converted layer needs a bias, or this must be False. A converted weight shared with an unconverted
+            module is refused (the all-gather would untie them). Weights changed outside the Trainer's steps and
+            loads (``model.load_state_dict``, an EMA swap) keep stale scales until the next optimizer step, which can
+            clip them: change them through ``Trainer.load``.
 
     Raises:
         ValueError: an unknown recipe, a flag that is not True or False, or ``layers`` that are not module names.
@@ -331,8 +324,7 @@ class FP8Policy(BF16Policy):
         """bf16's preparation, then the chosen ``nn.Linear`` layers converted to fp8 training.
 
         Raises:
-            ValueError: torchao is missing, the device has no fp8 matmuls (and ``emulate``
-                is off), or a named layer cannot be converted.
+            ValueError: torchao is missing, no fp8 matmuls here (``emulate`` off), or a layer cannot be converted.
         """
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         check_device(device, self.emulate)
@@ -345,8 +337,7 @@ class FP8Policy(BF16Policy):
         """Wrap the converted layers' weights so FSDP2 all-gathers them in fp8 (tensorwise recipe, flag on).
 
         Raises:
-            ValueError: before any change, as :func:`wrap_for_fp8_all_gather` says
-                (on the CPU, a converted layer without a bias).
+            ValueError: before any change, as :func:`wrap_for_fp8_all_gather` says (on the CPU, a layer without a bias).
         """
         if not self._fp8_all_gather():
             return model

@@ -1,10 +1,9 @@
-"""Loggers for ``fit(loggers=[...])``: a logger is any object with ``log_metrics(metrics, step)`` and an optional ``close()``.
+"""Loggers for ``fit(loggers=[...])``: any object with ``log_metrics(metrics, step)`` and an optional ``close()``.
 
-``fit`` writes, every ``log_every`` optimizer steps, values it has already booked (no host sync), under the
-step they are from (on CUDA up to two steps before the current one): ``loss``, ``lr``, ``loss_scale`` (with a
-loss scaler), ``skipped`` and ``samples_per_s``; and at each
-epoch's end the epoch's record (``train_loss``, ``val_loss``, the metrics, ``data_fraction``, ...).
-Only the main process logs. ``fit`` does not close the loggers: a logger may serve several ``fit`` calls.
+Only the main process logs: every ``log_every`` optimizer steps, values already booked (no host sync) under the step
+they are from (on CUDA up to two steps back): ``loss``, ``lr``, ``loss_scale`` (with a loss scaler), ``skipped``,
+``samples_per_s``; at each epoch's end the epoch's record (``train_loss``, ``val_loss``, the metrics,
+``data_fraction``, ...). ``fit`` does not close the loggers: a logger may serve several ``fit`` calls.
 """
 
 from __future__ import annotations

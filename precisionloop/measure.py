@@ -1,7 +1,6 @@
-"""Measure training steps: interleaved rounds of fresh instances, a median with its spread, peak memory.
+"""Time training steps in interleaved rounds of fresh instances (a median with its spread), and read peak memory.
 
-cuDNN picks kernels per model instance, so one instance's time can be far off: each round builds every system
-afresh. Depends on torch and the standard library only.
+Each round builds every system afresh, as cuDNN picks kernels per instance. Imports torch and the stdlib only.
 """
 
 from __future__ import annotations
@@ -36,12 +35,9 @@ _Timer = Callable[[], float]
 
 
 def _warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
-    """Run ``warmup`` untimed steps; on CUDA empty the cache and restart the peak counters before the last one.
-
-    Emptying the cache drops what only the first step needed (cuDNN's trial workspaces, the optimizer state's
-    creation), so the reserved peak that follows is a steady-state step's, CUDA-graph pools included (in use, so
-    kept); the last warm-up step grows the cache back, untimed. With ``warmup=1`` the reset follows that step.
-    """
+    """Run ``warmup`` untimed steps; on CUDA empty the cache and restart the peak counters before the last one, so
+    the reserved peak is a steady-state step's: cuDNN's trial workspaces and the optimizer state's creation are
+    dropped, CUDA-graph pools (in use) kept, and the last warm-up step grows the cache back untimed."""
     before_reset = warmup - 1 if warmup >= 2 else warmup
     for _ in range(before_reset):
         step()
@@ -58,9 +54,8 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
                timer: _Timer | None = None) -> list[float]:
     """Run ``warmup`` untimed steps, then return ``iters`` step times in ms: CUDA events on CUDA, else the wall clock.
 
-    On CUDA the cache is emptied and the peak-memory counters restart before the last warm-up step, so the peaks are
-    a steady-state step's (cuDNN's one-off workspace not counted). ``timer``, a clock in seconds for tests, replaces
-    ``time.perf_counter``; on CUDA it is a ValueError.
+    On CUDA the peak counters restart before the last warm-up step, so peaks are a steady-state step's. ``timer``, a
+    clock in seconds for tests, replaces ``time.perf_counter``; on CUDA it is a ValueError.
     """
     if timer is not None and device.type == "cuda":
         raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
@@ -87,9 +82,8 @@ def time_block(step: Callable[[], object], *, iters: int, warmup: int, device: t
                timer: _Timer | None = None) -> float:
     """Run ``warmup`` untimed steps, then ``iters`` back to back, and return the block's time over ``iters`` in ms.
 
-    The steady state a training loop sees: nothing waits for the device between the timed steps, so each step is
-    queued while the one before it runs; a pair of CUDA events (elsewhere the wall clock) brackets the block.
-    Warm-up, peak counters and ``timer`` as in :func:`time_steps`.
+    As in a training loop, nothing waits for the device between timed steps, so each is queued while the one before
+    runs; CUDA events (else the wall clock) bracket the block. Warm-up, peaks and ``timer`` as in :func:`time_steps`.
     """
     if timer is not None and device.type == "cuda":
         raise ValueError("timer replaces the wall clock off CUDA only; CUDA steps are timed with CUDA events")
@@ -169,9 +163,8 @@ def memory_kind(device: torch.device) -> str:
 class Run:
     """What a factory may return instead of a bare step.
 
-    ``context`` is entered around the warm-up and the timed steps: a context manager, or a callable
-    returning a fresh one (``policy.backend_flags``), which ``blocks > 1`` needs since it enters it
-    once per block. ``teardown`` runs after the steps, before the instance is dropped.
+    ``context`` wraps the warm-up and timed steps: a context manager, or (needed with ``blocks > 1``, which enters it
+    once per block) a callable returning a fresh one, e.g. ``policy.backend_flags``. ``teardown`` runs after the steps.
     """
 
     step: Callable[[], object]
@@ -195,8 +188,7 @@ class Measurement:
     settings: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
     reserved_mb: float | None = None
-    """CUDA, a system timed alone: the most the caching allocator held during its steady-state steps, CUDA-graph
-    pools included (``torch.cuda.max_memory_reserved``); the highest over rounds. None otherwise."""
+    """CUDA, timed alone: ``max_memory_reserved`` in steady-state steps, CUDA-graph pools included; highest round."""
 
     @property
     def median_ms(self) -> float | None:
@@ -281,7 +273,7 @@ def _resident_mb(device: torch.device) -> float | None:
 
 @dataclasses.dataclass
 class _LiveSystem:
-    """One system's instance inside a blocked round: its run, the memory it holds, its timed steps, its peak."""
+    """One system's instance inside a blocked round."""
 
     run: Run
     own_mb: float | None
@@ -418,14 +410,12 @@ def interleaved(systems: Mapping[str, _Factory], *, rounds: int = 3, iters: int,
                 blocks: int = 1, pipelined: bool = False) -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated by the round.
 
-    Round ``r`` runs the systems rotated left by ``r`` (A B C, then B C A, ...). With ``blocks=1`` each system runs
-    alone: :func:`reset_memory`, its factory, ``warmup`` + ``iters`` steps; the round's figure is the median of the
-    timed steps, or with ``pipelined=True`` the steps' time back to back over ``iters`` (:func:`time_block`). With
-    ``blocks=k`` every system of the round is built and warmed up first, then their timed steps alternate in ``k``
-    blocks (block ``b`` rotated by ``b``), so a host whose speed drifts moves them alike, at the cost of holding them
-    all in memory. A system's peak is then the most memory in use during its blocks, less what the others held after
-    their warm-up; memory the process keeps for everyone (cuBLAS workspaces) counts for every system only from the
-    second round on. A system whose factory or step raises gets ``error`` set and is not run again.
+    Round ``r`` rotates the systems left by ``r`` (A B C, then B C A, ...). With ``blocks=1`` each runs alone, after
+    :func:`reset_memory`, its figure the median step, or with ``pipelined=True`` the block's time over ``iters``
+    (:func:`time_block`). With ``blocks=k`` all are built and warmed up first, then their timed steps alternate in
+    ``k`` blocks (block ``b`` rotated by ``b``), so a drifting host moves them alike; a system's peak is the memory in
+    use during its blocks less what the others held after warm-up (memory kept for everyone, such as cuBLAS
+    workspaces, counts for each only from the second round on). A raising system gets ``error`` and is not run again.
 
     Args:
         systems: name -> zero-argument factory building a fresh model and optimizer and returning a step callable

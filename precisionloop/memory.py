@@ -19,10 +19,9 @@ _MB = 2**20
 class MemoryBreakdown:
     """A Trainer's memory in MB (2**20 bytes), from :func:`memory_breakdown`.
 
-    The first four are exact on every device: the bytes of the tensors' storages (``untyped_storage().nbytes()``),
-    a storage shared by views or tied weights counted once; under FSDP2 (DTensors) this process's local shards. The
-    last three are ``None`` off CUDA. The allocator rounds every block up (to 512 bytes on CUDA); that rounding is
-    in none of the exact parts, nor are the loss scaler's two scalars.
+    The first four are exact on every device: the bytes of the tensors' storages, one shared by views or tied weights
+    counted once; under FSDP2 this process's local shards. The allocator's rounding (512 bytes on CUDA) and the loss
+    scaler's two scalars are in none of them. The last three are ``None`` off CUDA.
     """
 
     parameters_mb: float
@@ -30,13 +29,11 @@ class MemoryBreakdown:
     buffers_mb: float
     """the model's buffers (BatchNorm's running statistics, for one)"""
     gradients_mb: float
-    """the ``.grad`` tensors present now: 0 after an optimizer step (the Trainer frees them), full-sized while an
-    accumulation window is open"""
+    """the ``.grad`` tensors now: 0 after an optimizer step (the Trainer frees them), full-sized in an open window"""
     optimizer_state_mb: float
     """every tensor in ``optimizer.state``: Adam's ``exp_avg``, ``exp_avg_sq``, ``step``; SGD's ``momentum_buffer``"""
     peak_mb: float | None = None
-    """CUDA: ``torch.cuda.max_memory_allocated`` on the Trainer's device since the last
-    ``torch.cuda.reset_peak_memory_stats()`` (or since the process started)"""
+    """CUDA: ``torch.cuda.max_memory_allocated`` on the Trainer's device since the last ``reset_peak_memory_stats()``"""
     activations_and_workspace_mb: float | None = None
     """CUDA: the peak less the exact parts on the Trainer's device, at least 0: activations saved for backward,
     kernels' workspace, the optimizer step's temporaries, the gradients if none are present now"""
@@ -63,8 +60,8 @@ def _leaves(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
 
 def _storage_bytes(tensors: Iterable[Any]) -> dict[torch.device, int]:
     """Bytes of the storages behind ``tensors`` (non-tensors ignored), by device, each storage counted once."""
-    # Memory is held by storages, not tensors: a view (a slice of a flat buffer, a transposed weight) and two
-    # parameters aliasing one tensor share a storage, so it is counted once, and whole, keyed by its base address.
+    # A view (a slice of a flat buffer, a transposed weight) or aliased parameters share one storage: count it once,
+    # whole, keyed by its base address.
     seen: set[tuple[torch.device, int]] = set()
     total: dict[torch.device, int] = {}
     for tensor in tensors:
@@ -90,8 +87,6 @@ def _cuda_device(device: torch.device) -> torch.device:
 
 def memory_breakdown(trainer: Any) -> MemoryBreakdown:
     """Where ``trainer``'s memory goes now: parameters, buffers, gradients, optimizer state; on CUDA the peak.
-
-    Each part is as :class:`MemoryBreakdown` describes it.
 
     Example:
         >>> import torch

@@ -16,7 +16,6 @@ __all__ = ["PRECISIONS", "get_policy", "is_auto"]
 
 log = logging.getLogger(__name__)
 
-# The one precision table: canonical name -> factory, then every accepted spelling.
 PRECISIONS: dict[str, Callable[[], PrecisionPolicy]] = {
     "fp32": lambda: FP32Policy(tf32=False),
     "tf32": lambda: FP32Policy(tf32=True),

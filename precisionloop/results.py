@@ -12,8 +12,7 @@ __all__ = ["StepResult", "TrainStats"]
 class StepResult:
     """What one call to :meth:`Trainer.step` did; its values reach the host only when read.
 
-    Reading a field copies it from the device, which waits for the step to finish:
-    read only what you need, and not every step if speed matters.
+    Reading a field waits for the step to finish: read only what you need, and not every step if speed matters.
 
     Attributes:
         loss: the micro-batch's loss, unscaled and not divided by ``grad_accum_steps``.

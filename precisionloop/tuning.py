@@ -289,10 +289,8 @@ def _with_fp8_layers(candidates: list[Candidate], model: nn.Module, batch: Any, 
 
 def _distinct_sets(c: Candidate, default: tuple[str, ...], every: tuple[str, ...], empty: set[str]) -> list[Candidate]:
     """One candidate per distinct, non-empty layer set: the default layers (``c`` itself if whole), every layer.
-
-    Layers called with no tokens are left out of both: torchao cannot scale an empty input. Both sets are timed in
-    the whole model, since which one is faster depends on what the compiled model fuses around them.
-    """
+    Layers called with no tokens are left out (torchao cannot scale an empty input); both sets are timed in the whole
+    model, as which is faster depends on what the compiled model fuses around them."""
     usable_default = tuple(n for n in default if n not in empty)
     options = tuple((k, v) for k, v in c.options if k != "layers")  # an explicit layers=None is replaced
     out, seen = [], []
@@ -312,10 +310,8 @@ def _fp8_layer_sets(policy: FP8Policy, model: nn.Module) -> tuple[tuple[str, ...
 
 
 def _called_empty(model: nn.Module, batch: Any, loss_for, device: torch.device, policy: FP8Policy) -> set[str]:
-    """The ``nn.Linear`` layers that one forward of a copy of ``model``, as a trial's first, calls with no rows.
-
-    If it fails none is left out: the trials meet the same error and reject the candidate with it.
-    """
+    """The ``nn.Linear`` layers that one forward of a copy of ``model``, as a trial's first, calls with no rows; none
+    if it fails, as the trials then meet the same error and reject the candidate with it."""
     empty: set[str] = set()
 
     def hook_for(name: str):
