@@ -1,7 +1,4 @@
-"""Every private torch API precisionloop relies on, each behind one small function.
-
-A torch upgrade that changes one breaks exactly one function here, loudly: ``tests/test_compat.py`` pins each of them.
-"""
+"""Every private torch API precisionloop uses, each behind one small function that ``tests/test_compat.py`` pins."""
 
 from __future__ import annotations
 
@@ -30,16 +27,25 @@ def forget_unscale(scaler: torch.amp.GradScaler) -> None:
 def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Sets ``found_inf`` (fp32, one element) to 1 if any gradient, all on one device, holds an inf or NaN.
 
-    On the CPU by GradScaler's fused check (:func:`fused_non_finite_`), which writes each value back as it was;
-    elsewhere, and for complex gradients, by the inf-norms (:func:`norms_non_finite_`), which write nothing back.
+    By GradScaler's fused check (one launch, each value written back as it was) where it applies; on CUDA, for bf16
+    and for more than :data:`FUSED_CHECK_MAX_ELEMENTS` values, by the inf-norms, which only read.
     """
     grads = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined; it holds no inf anyway
-    if grads:
-        fused = grads[0].device.type == "cpu" and all(g.dtype in _FUSED_CHECK_DTYPES for g in grads)
-        (fused_non_finite_ if fused else norms_non_finite_)(grads, found_inf)
+    if not grads:
+        return
+    cpu = grads[0].device.type == "cpu"
+    fused = all(g.dtype in (_FUSED_CHECK_DTYPES if cpu else _FUSED_CHECK_CUDA_DTYPES) for g in grads) and (
+        cpu or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS)
+    (fused_non_finite_ if fused else norms_non_finite_)(grads, found_inf)
 
 
 _FUSED_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # it takes no complex gradient
+_FUSED_CHECK_CUDA_DTYPES = (torch.float16, torch.float32, torch.float64)  # its CUDA kernel takes no bf16 either
+
+FUSED_CHECK_MAX_ELEMENTS = 2**25
+"""Up to this many gradient values the fused check's write-back costs the GPU less than the norms cost the host (a
+norm and a stacked scalar per gradient), which bounds small steps; above, a step the GPU bounds pays for the extra
+write of every gradient."""
 
 
 def norms_non_finite_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
@@ -51,9 +57,9 @@ def norms_non_finite_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> Non
 def fused_non_finite_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """``non_finite_any_`` by GradScaler's fused check with a scale of one, which writes each value back as it was.
 
-    On the CPU several times faster than the inf-norms; on CUDA it writes every gradient back (twice the bytes).
+    On the CPU several times faster than the inf-norms; on CUDA it reads and writes every gradient, twice their bytes.
     """
-    one = torch.ones((), dtype=torch.float32, device=found_inf.device)  # fp32 whatever the default dtype: it takes no other
+    one = torch.ones((), dtype=torch.float32, device=found_inf.device)  # fp32 whatever the default: it takes no other
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
 
 
@@ -129,9 +135,8 @@ def compile_error_types() -> tuple[type[BaseException], ...]:
 class compiled_backward_like_eager:
     """Inside the block, a compiled backward runs without autocast, as the step's eager backward does.
 
-    torch's default (``backward_pass_autocast="same_as_forward"``) traces the backward under the
-    forward's autocast, which recasts the backward of regions that ran with autocast off (the
-    ``keep_fp32`` modules) to bf16/fp16. Torch versions without the setting are left alone.
+    torch's default (``backward_pass_autocast="same_as_forward"``) traces it under the forward's autocast, recasting
+    to bf16/fp16 the backward of regions that ran with autocast off (``keep_fp32`` modules). Older torch: left alone.
     """
 
     __slots__ = ("_saved",)

@@ -203,10 +203,10 @@ class FiniteGuard:
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
         """The inf/NaN verdict of ``grads`` as a device tensor, 0 or 1, checked per (device, dtype) group.
 
-        Off the CPU by the inf-norms, which read the gradients only (GradScaler's fused check also writes each one
-        back, and takes no bf16 on CUDA); on the CPU by that fused check, several times faster there. Shards
-        (FSDP2's DTensors) and sparse gradients are checked by their local values; the verdicts meet on the first
-        gradient's device, then are agreed across ranks.
+        By GradScaler's fused check, one launch that writes each value back as it was; on CUDA, for bf16 gradients
+        and for those too large for the write-back to be cheap, by the inf-norms, which only read (see
+        ``_compat.non_finite_any_``). Shards (FSDP2's DTensors) and sparse gradients are checked by their local
+        values; the verdicts meet on the first gradient's device, then are agreed across ranks.
         """
         grads = [_compat.dense_values(g) for g in grads]
         found = self._zero_on(grads[0].device if grads else torch.device("cpu"))

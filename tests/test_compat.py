@@ -156,10 +156,7 @@ def test_non_finite_any_sets_found_and_leaves_the_gradients_alone():
 def test_non_finite_any_on_the_cpu_is_the_fused_check_and_keeps_every_bit(monkeypatch):
     """Pins GradScaler's fused check on the CPU (several times faster there than the inf-norms): with a scale of one
     it writes back each value exactly, subnormals and signed zeros included."""
-    calls = []
-    fused = torch._amp_foreach_non_finite_check_and_unscale_
-    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
-                        lambda *a: calls.append(len(a[0])) or fused(*a))
+    calls = _spy_on_the_fused_check(monkeypatch)
     grads = [torch.tensor([1e-45, -0.0, 3e38, -1.5]), torch.tensor([2.0, -1e-310], dtype=torch.float64)]
     before = [g.clone() for g in grads]
     found = torch.zeros(())
@@ -169,6 +166,42 @@ def test_non_finite_any_on_the_cpu_is_the_fused_check_and_keeps_every_bit(monkey
     grads[1][0] = float("nan")
     _compat.non_finite_any_(grads, found)
     assert found.item() == 1.0
+
+
+def _spy_on_the_fused_check(monkeypatch) -> list:
+    calls, fused = [], torch._amp_foreach_non_finite_check_and_unscale_
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
+                        lambda *a: calls.append(len(a[0])) or fused(*a))
+    return calls
+
+
+@pytest.mark.gpu
+def test_non_finite_any_on_cuda_checks_small_gradients_in_one_fused_launch_and_keeps_every_bit(monkeypatch):
+    calls = _spy_on_the_fused_check(monkeypatch)
+    grads = [torch.tensor([1e-45, -0.0, 3e38, -1.5], device="cuda"), torch.tensor([2.0, -1e-310], device="cuda",
+                                                                                  dtype=torch.float64)]
+    before = [g.clone() for g in grads]
+    found = torch.zeros((), device="cuda")
+    _compat.non_finite_any_(grads, found)
+    assert calls == [2] and found.item() == 0.0
+    assert all(torch.equal(g, b) and torch.equal(g.signbit(), b.signbit()) for g, b in zip(grads, before))
+    grads[0][1] = float("nan")
+    _compat.non_finite_any_(grads, found)
+    assert found.item() == 1.0
+
+
+@pytest.mark.gpu
+def test_non_finite_any_on_cuda_checks_large_or_bf16_gradients_by_their_norms(monkeypatch):
+    calls = _spy_on_the_fused_check(monkeypatch)
+    monkeypatch.setattr(_compat, "FUSED_CHECK_MAX_ELEMENTS", 8)
+    for grads in ([torch.ones(9, device="cuda")], [torch.ones(2, device="cuda", dtype=torch.bfloat16)]):
+        found = torch.zeros((), device="cuda")
+        _compat.non_finite_any_(grads, found)
+        assert found.item() == 0.0
+        grads[0][-1] = float("inf")
+        _compat.non_finite_any_(grads, found)
+        assert found.item() == 1.0
+    assert calls == []  # neither took the fused check: the CUDA kernel takes no bf16, and a large list is read only
 
 
 def test_non_finite_any_on_the_cpu_under_a_float64_default_and_for_complex_gradients():
