@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="a tiny Transformer, 32-px images, emulated fp8 for the loss part: a smoke run (on the CPU); "
                         "its figures mean nothing")
     args = p.parse_args(argv)
+    if args.tiny and args.size != "reference":
+        p.error(f"--tiny runs its own tiny Transformer, so --size {args.size} would be ignored: pass one of the two")
     parts = [s.strip() for s in args.part.split(",") if s.strip()]
     bad = [s for s in parts if s not in PARTS]
     if bad:
