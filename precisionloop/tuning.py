@@ -73,7 +73,8 @@ def _option_text(value: Any) -> str:
     if not isinstance(value, tuple):
         return str(value)
     if len(value) > 3:
-        return str(len(value))  # layers=25: a count; layers=('4',): the layer named "4"
+        kind = "names" if all(isinstance(v, str) for v in value) else "entries"
+        return f"<{len(value)} {kind}>"  # a count that reads as one: layers=<25 names>, not layers=25
     items = [repr(v) if isinstance(v, str) else getattr(v, "__name__", str(v)) for v in value]
     return "(" + ",".join(items) + ("," if len(items) == 1 else "") + ")"
 
