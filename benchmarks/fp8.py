@@ -180,9 +180,9 @@ def loss_curves(args, device: torch.device) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", default="transformer,vit_b_16,resnet18,loss", help=f"comma-separated among {', '.join(PARTS)}")
-    p.add_argument("--size", choices=tuple(models.SIZES), default="reference",
+    p.add_argument("--size", choices=tuple(models.SIZES), default=None,
                    help="the Transformer's size for the speed, transformer and loss parts: " + "; ".join(
-                       f"{name}: {models.describe(sizes)}" for name, sizes in models.SIZES.items()))
+                       f"{name}: {models.describe(sizes)}" for name, sizes in models.SIZES.items()) + "; default reference")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=10)
@@ -197,8 +197,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="a tiny Transformer, 32-px images, emulated fp8 for the loss part: a smoke run (on the CPU); "
                         "its figures mean nothing")
     args = p.parse_args(argv)
-    if args.tiny and args.size != "reference":
+    if args.tiny and args.size is not None:
         p.error(f"--tiny runs its own tiny Transformer, so --size {args.size} would be ignored: pass one of the two")
+    args.size = args.size or "reference"
     parts = [s.strip() for s in args.part.split(",") if s.strip()]
     bad = [s for s in parts if s not in PARTS]
     if bad:

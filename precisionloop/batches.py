@@ -46,32 +46,27 @@ def on_device(batch: Any, device: torch.device, memory_format: torch.memory_form
         batch = (out, targets)
     else:
         out = transform(batch)
-        if not _same_kind(out, batch):
+        if not _is_whole_batch(out, batch):
             raise TypeError(f"input_transform returned {type(out).__name__} for a batch that is a "
                             f"{type(batch).__name__}: with forward_batch or compute_loss overridden it gets the whole "
-                            "batch and must return one of the same kind (a dict for a dict, a tuple or list for one)")
+                            "batch and must return the whole batch (a dict for a dict, say), not None or one field")
         batch = out
     return to_device(batch, device, memory_format)
 
 
-def _same_kind(out: Any, batch: Any) -> bool:
-    """Whether a whole-batch transform's result is a batch like the one it was given."""
-    for kind in (Mapping, (list, tuple), torch.Tensor):
-        if isinstance(batch, kind):
-            return isinstance(out, kind)
+def _is_whole_batch(out: Any, batch: Any) -> bool:
+    """Whether a whole-batch transform's result can be a batch: not None, nor a bare tensor for a container batch
+    (the transform returned one field instead of the batch)."""
+    if isinstance(batch, (Mapping, list, tuple)) and isinstance(out, torch.Tensor):
+        return False
     return out is not None
 
 
-def note_uint8_inputs(error: BaseException, batch: Any, transform: Callable | None, pairs: bool) -> None:
-    """Add a note to an error raised on uint8 inputs given with no ``input_transform``: the usual cause is images
-    that were never turned into floats."""
-    if transform is not None or not pairs or not hasattr(error, "add_note"):
-        return
-    try:
-        inputs, _ = pair(batch)
-    except TypeError:
-        return
-    if isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8:
+def note_uint8_inputs(error: BaseException, inputs: Any) -> None:
+    """Note on an error the model raised on uint8 inputs given with no ``input_transform``: the usual cause is
+    images that were never turned into floats. Out-of-memory errors get none; Python before 3.11 has no notes."""
+    if (isinstance(inputs, torch.Tensor) and inputs.dtype == torch.uint8 and hasattr(error, "add_note")
+            and not isinstance(error, torch.OutOfMemoryError)):
         error.add_note("The inputs are uint8 and no input_transform is set. For uint8 images, pass "
                        "input_transform=precisionloop.normalize_uint8(mean, std) to the Trainer, which turns them "
                        "into normalised floats on the device")

@@ -12,6 +12,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from .batches import normalize_uint8
+
 __all__ = ["refuse_removed", "check_int", "check_flag", "check_real", "check_loader", "length", "check_callbacks", "check_loggers", "check_directory",
            "check_trainer_arguments", "check_scheduler_interval", "check_master_weights", "check_optimizer_params", "is_plateau"]
 
@@ -142,9 +144,10 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
         raise ValueError(f"input_transform must be a callable run on the device on each batch's inputs, such as "
                          f"precisionloop.normalize_uint8(mean, std), or None; got {what}")
     if input_transform is not None and not _takes_one_argument(input_transform):
+        hint = (": normalize_uint8 builds the transform, so pass input_transform=normalize_uint8(mean, std), called"
+                if input_transform is normalize_uint8 else "")
         raise ValueError(f"input_transform {getattr(input_transform, '__name__', repr(input_transform)[:80])} cannot "
-                         "be called with one argument (the inputs). normalize_uint8 builds a transform: pass "
-                         "input_transform=normalize_uint8(mean, std), called")
+                         f"be called with one argument (the inputs){hint}")
     if scheduler is not None and (isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None))):
         raise ValueError(f"scheduler must be an LR scheduler instance built on the optimizer, got {scheduler!r}")
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
@@ -159,13 +162,15 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
 
 
 def _takes_one_argument(fn: Callable) -> bool:
-    """Whether ``fn(x)`` binds; True where the signature cannot be read (some builtins)."""
+    """Whether ``fn(x)`` binds; True where the signature cannot be read (some builtins, odd wrappers)."""
     try:
-        inspect.signature(fn).bind(None)
+        signature = inspect.signature(fn, follow_wrapped=False)  # a functools.wraps wrapper takes its own arguments
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(None)
     except TypeError:
         return False
-    except ValueError:
-        return True
     return True
 
 

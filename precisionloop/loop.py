@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from . import checkpoint, diagnostics
 from . import distributed as _dist
 from . import feed
-from .batches import batch_size, note_uint8_inputs
+from .batches import batch_size
 from .engine import LossNotScalar
 from .checks import check_callbacks, check_directory, check_flag, check_int, check_loader, check_loggers, is_plateau, length
 
@@ -125,7 +125,7 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
                 state.epoch, state.batch_in_epoch, state.rng_epoch_start = state.epoch + 1, 0, None
             history.append(record)
             warned = _log_epoch(record, options, trainer.global_step, warned, trainer.compile_mode is None,
-                                trainer.device.type == "cuda")
+                                trainer.device.type != "cpu")
             for cb in options.callbacks:
                 if hasattr(cb, "on_epoch_end"):
                     cb.on_epoch_end(trainer, record)
@@ -154,7 +154,7 @@ DATA_WARNING = 0.3
 """The share of an epoch spent waiting for input above which ``fit`` warns (once a call)."""
 
 
-def _log_epoch(record: dict, options: FitOptions, step: int, warned: bool, eager: bool, cuda: bool) -> bool:
+def _log_epoch(record: dict, options: FitOptions, step: int, warned: bool, eager: bool, accelerator: bool) -> bool:
     """The epoch's numbers to the loggers, and one warning a fit when the input bounds training; True once warned."""
     if not _dist.is_main():
         return warned
@@ -164,13 +164,13 @@ def _log_epoch(record: dict, options: FitOptions, step: int, warned: bool, eager
     if record["data_fraction"] > DATA_WARNING and not warned:
         warned = True
         log.warning("fit: %.0f%% of epoch %d waited for input, so the input pipeline, not the precision, bounds "
-                    "training. Try %s", 100 * record["data_fraction"], record["epoch"], _input_advice(eager, cuda))
+                    "training. Try %s", 100 * record["data_fraction"], record["epoch"], _input_advice(eager, accelerator))
     return warned
 
 
-def _input_advice(eager: bool, cuda: bool) -> str:
+def _input_advice(eager: bool, accelerator: bool) -> str:
     """The usual fixes for a loader that bounds training, those that apply to this device and step."""
-    if not cuda:  # no copy to a device: pinning and device-resident data do not apply
+    if not accelerator:  # on the CPU nothing is copied to a device: pinning and device-resident data do not apply
         return ("more DataLoader workers, lighter per-sample transforms, or keeping a dataset that fits in memory as "
                 "tensors")
     # The DataLoader's work in this process (receiving, pinning) and the step's launches share one interpreter.
@@ -421,12 +421,8 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
                 if n == 0:
                     continue  # an empty batch has no loss to average in
                 batch = trainer._on_device(batch)
-                try:
-                    with trainer.policy.autocast(device.type):
-                        loss, outputs, targets = _evaluation_step(trainer, batch, bool(metrics))
-                except RuntimeError as e:
-                    note_uint8_inputs(e, batch, trainer.input_transform, trainer.takes_pairs())
-                    raise
+                with trainer.policy.autocast(device.type):
+                    loss, outputs, targets = _evaluation_step(trainer, batch, bool(metrics))
                 n = n or 1
                 loss_sum += loss.float() * n
                 count += n

@@ -166,7 +166,12 @@ class Trainer:
     def forward_batch(self, batch: Any) -> tuple[Any, Any]:
         """Run the model on one batch and return ``(outputs, targets)``; override for other batch shapes."""
         inputs, targets = batches.pair(batch)
-        return self.model(inputs), targets
+        try:
+            return self.model(inputs), targets
+        except RuntimeError as e:
+            if self.input_transform is None:
+                batches.note_uint8_inputs(e, inputs)
+            raise
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch; runs under autocast. Override it for other losses or batch shapes."""
@@ -197,12 +202,8 @@ class Trainer:
             batches.check_pair(batch)  # refused here, not in the step (it drops the window)
         if self._autotune_compile is not None:
             self._run_autotune(self._on_device(batch))  # the candidates get what the model will
-        try:
-            with self.policy.backend_flags():
-                return self.engine.step(self._on_device(batch))
-        except RuntimeError as e:
-            batches.note_uint8_inputs(e, batch, self.input_transform, self.takes_pairs())
-            raise
+        with self.policy.backend_flags():
+            return self.engine.step(self._on_device(batch))
 
     def flush(self) -> StepResult | None:
         """Take the optimizer step for an open accumulation window, its gradients averaged; None if none is open.

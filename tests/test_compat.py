@@ -176,10 +176,13 @@ def _spy_on_the_fused_check(monkeypatch) -> list:
 
 
 @pytest.mark.gpu
-def test_non_finite_any_on_cuda_checks_small_gradients_in_one_fused_launch_and_keeps_every_bit(monkeypatch):
+@pytest.mark.parametrize("dtype, values", [
+    (torch.float32, [1e-45, -0.0, 3e38, -1.5]), (torch.float16, [6e-8, -0.0, 65504.0, -1.5]),
+    (torch.float64, [5e-324, -0.0, 1e308, -1.5])])
+def test_non_finite_any_on_cuda_checks_small_gradients_in_one_fused_launch_and_keeps_every_bit(
+        monkeypatch, dtype, values):
     calls = _spy_on_the_fused_check(monkeypatch)
-    grads = [torch.tensor([1e-45, -0.0, 3e38, -1.5], device="cuda"), torch.tensor([2.0, -1e-310], device="cuda",
-                                                                                  dtype=torch.float64)]
+    grads = [torch.tensor(values, device="cuda", dtype=dtype), torch.tensor(values[::-1], device="cuda", dtype=dtype)]
     before = [g.clone() for g in grads]
     found = torch.zeros((), device="cuda")
     _compat.non_finite_any_(grads, found)
@@ -188,6 +191,16 @@ def test_non_finite_any_on_cuda_checks_small_gradients_in_one_fused_launch_and_k
     grads[0][1] = float("nan")
     _compat.non_finite_any_(grads, found)
     assert found.item() == 1.0
+
+
+def test_non_finite_any_off_the_cpu_and_cuda_reads_the_norms(monkeypatch):
+    """Other backends may lack the fused check's kernel: they keep the read-only norms (meta tensors stand in)."""
+    used = []
+    monkeypatch.setattr(_compat, "norms_non_finite_", lambda grads, found: used.append("norms"))
+    monkeypatch.setattr(_compat, "fused_non_finite_", lambda grads, found: used.append("fused"))
+    _compat.non_finite_any_([torch.ones(3, device="meta")], torch.zeros((), device="meta"))
+    _compat.non_finite_any_([torch.ones(3)], torch.zeros(()))
+    assert used == ["norms", "fused"]
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ train the same weights bit for bit, keep exact resume, and leave no memory or st
 import collections
 import contextlib
 import dataclasses
+import functools
 import gc
 import sys
 
@@ -148,19 +149,43 @@ def test_normalize_uint8_given_the_whole_batch_says_how_to_wrap_it():
 
 def test_normalize_uint8_passed_uncalled_is_refused_when_the_trainer_is_built():
     model = Probe()
-    with pytest.raises(ValueError, match=r"normalize_uint8 cannot be called with one argument.*normalize_uint8\(mean, std\), called"):
-        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", input_transform=normalize_uint8)
+    with pytest.raises(ValueError, match=r"normalize_uint8 cannot be called with one argument.*"
+                                         r"normalize_uint8\(mean, std\), called"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu",
+                input_transform=normalize_uint8)
 
 
-@pytest.mark.parametrize("transform, what", [(lambda b: None, "NoneType"), (lambda b: b["x"], "Tensor"),
-                                             (lambda b: [b["x"], b["y"]], "list")])
-def test_a_whole_batch_transform_that_returns_another_kind_of_batch_is_named_before_the_model_runs(transform, what):
+def test_transforms_that_take_one_argument_are_accepted_however_they_are_built():
+    def scale(x, factor):
+        return x * factor
+
+    @functools.wraps(scale)
+    def wrapped(x):  # its own signature, not the wrapped function's
+        return scale(x, 2.0)
+
+    for transform in (wrapped, functools.partial(scale, factor=2.0), lambda x, k=2.0: x * k, nn.Identity(), torch.neg):
+        model = Probe()
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", input_transform=transform)
+    with pytest.raises(ValueError, match=r"input_transform scale cannot be called with one argument \(the inputs\)$"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", input_transform=scale)
+
+
+@pytest.mark.parametrize("transform, what", [(lambda b: None, "NoneType"), (lambda b: b["x"], "Tensor")])
+def test_a_whole_batch_transform_that_returns_no_batch_is_named_before_the_model_runs(transform, what):
     m = net()
     before = [p.detach().clone() for p in m.parameters()]
     trainer = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu", input_transform=transform)
     with pytest.raises(TypeError, match=f"input_transform returned {what} for a batch that is a dict"):
         trainer.step(dict_batch(1))
     assert trainer.global_step == 0 and all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+
+
+def test_a_whole_batch_transform_may_reshape_the_batch():
+    m = net()  # a tuple batch made into the dict that DictTrainer's forward_batch reads
+    trainer = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu",
+                           input_transform=lambda b: {"x": b[0], "y": b[1]})
+    b = dict_batch(1)
+    assert trainer.step((b["x"], b["y"])).stepped
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are new in Python 3.11")
@@ -174,14 +199,19 @@ def test_uint8_images_without_a_transform_fail_with_a_note_that_names_normalize_
     assert trainer.global_step == 0
 
 
-def test_a_model_that_takes_uint8_itself_trains_with_no_transform_and_no_note():
-    class ScalesItself(Probe):
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are new in Python 3.11")
+def test_an_error_that_is_not_the_models_gets_no_uint8_note():
+    class ScalesItself(Probe):  # takes uint8 itself, and diverges
         def forward(self, x):
-            return super().forward(x.float() / 255)
+            return super().forward(x.float() / 255) * float("nan")
 
     model = ScalesItself()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
-    assert trainer.step(uint8_images(n=4)).stepped
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu",
+                      max_consecutive_skips=2)
+    trainer.step(uint8_images(n=4))
+    with pytest.raises(RuntimeError, match="in a row were skipped") as failed:
+        trainer.step(uint8_images(n=4))
+    assert not getattr(failed.value, "__notes__", [])
 
 
 def test_a_subclass_with_its_own_batch_shape_gets_the_whole_batch():

@@ -295,7 +295,7 @@ def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
 def test_the_input_warning_gives_only_the_fixes_for_the_device():
     from precisionloop import loop
 
-    cpu, cuda = loop._input_advice(True, cuda=False), loop._input_advice(True, cuda=True)
+    cpu, cuda = loop._input_advice(True, accelerator=False), loop._input_advice(True, accelerator=True)
     assert "workers" in cpu and not any(word in cpu for word in ("pin_memory", "on the device", "compile"))
     assert all(word in cuda for word in ("workers", "uint8", "pin_memory", "on the device"))
 
@@ -307,7 +307,7 @@ def test_the_input_warning_names_compiling_only_for_an_eager_step(caplog):
     for eager in (True, False):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="precisionloop"):
-            assert loop._log_epoch(record, loop.FitOptions(epochs=1), 0, False, eager, cuda=True) is True
+            assert loop._log_epoch(record, loop.FitOptions(epochs=1), 0, False, eager, accelerator=True) is True
         (message,) = [r.getMessage() for r in caplog.records]
         assert ("compile=True" in message) == eager and "dataset that fits on the device" in message
 

@@ -461,9 +461,10 @@ def test_fp8_script_times_bf16_against_fp8_and_compares_their_losses_on_the_cpu(
 
 def test_fp8_script_refuses_tiny_with_a_size_it_would_ignore(capsys):
     fp8 = _benchmark_script("fp8")
-    with pytest.raises(SystemExit):
-        fp8.main(["--tiny", "--size", "large", "--part", "speed"])
-    assert "--size large would be ignored" in capsys.readouterr().err
+    for size in ("large", "reference"):
+        with pytest.raises(SystemExit):
+            fp8.main(["--tiny", "--size", size, "--part", "speed"])
+        assert f"--size {size} would be ignored" in capsys.readouterr().err
 
 
 def test_loop_cost_script_runs_on_the_cpu_step_by_step(tmp_path, capsys):
