@@ -27,8 +27,8 @@ def forget_unscale(scaler: torch.amp.GradScaler) -> None:
 def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Sets ``found_inf`` (fp32, one element) to 1 if any gradient, all on one device, holds an inf or NaN.
 
-    By GradScaler's fused check (one launch, each value written back as it was) on the CPU, and on CUDA for fp16,
-    fp32 and fp64 groups of at most :data:`FUSED_CHECK_MAX_ELEMENTS` values; else (bf16 or larger groups on CUDA,
+    By GradScaler's fused check (one launch, each value written back as it was) on the CPU, and on CUDA for fp16
+    and fp32 groups of at most :data:`FUSED_CHECK_MAX_ELEMENTS` values; else (bf16, fp64 or larger groups on CUDA,
     complex gradients, other devices) by the inf-norms, which only read.
     """
     grads = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined; it holds no inf anyway
@@ -42,7 +42,8 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
 
 
 _FUSED_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # it takes no complex gradient
-_FUSED_CHECK_CUDA_DTYPES = (torch.float16, torch.float32, torch.float64)  # its CUDA kernel takes no bf16 either
+# Its CUDA kernel takes no bf16, and counts finite fp64 values beyond fp32's range (1e308) as inf.
+_FUSED_CHECK_CUDA_DTYPES = (torch.float16, torch.float32)
 
 FUSED_CHECK_MAX_ELEMENTS = 2**25
 """The most values in one group of CUDA gradients that the fused check takes. Its one launch replaces the norms' host

@@ -177,8 +177,7 @@ def _spy_on_the_fused_check(monkeypatch) -> list:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, values", [
-    (torch.float32, [1e-45, -0.0, 3e38, -1.5]), (torch.float16, [6e-8, -0.0, 65504.0, -1.5]),
-    (torch.float64, [5e-324, -0.0, 1e308, -1.5])])
+    (torch.float32, [1e-45, -0.0, 3e38, -1.5]), (torch.float16, [6e-8, -0.0, 65504.0, -1.5])])
 def test_non_finite_any_on_cuda_checks_small_gradients_in_one_fused_launch_and_keeps_every_bit(
         monkeypatch, dtype, values):
     calls = _spy_on_the_fused_check(monkeypatch)
@@ -207,14 +206,16 @@ def test_non_finite_any_off_the_cpu_and_cuda_reads_the_norms(monkeypatch):
 def test_non_finite_any_on_cuda_checks_large_or_bf16_gradients_by_their_norms(monkeypatch):
     calls = _spy_on_the_fused_check(monkeypatch)
     monkeypatch.setattr(_compat, "FUSED_CHECK_MAX_ELEMENTS", 8)
-    for grads in ([torch.ones(9, device="cuda")], [torch.ones(2, device="cuda", dtype=torch.bfloat16)]):
+    fp64 = torch.tensor([5e-324, 1e308, 1 / 3, 1.0], device="cuda", dtype=torch.float64)  # beyond fp32's range
+    for grads in ([torch.ones(9, device="cuda")], [torch.ones(2, device="cuda", dtype=torch.bfloat16)], [fp64]):
         found = torch.zeros((), device="cuda")
         _compat.non_finite_any_(grads, found)
         assert found.item() == 0.0
         grads[0][-1] = float("inf")
         _compat.non_finite_any_(grads, found)
         assert found.item() == 1.0
-    assert calls == []  # neither took the fused check: the CUDA kernel takes no bf16, and a large list is read only
+    assert calls == []  # none took the fused check: its CUDA kernel takes no bf16, and flags 1e308 in fp64 as inf
+    assert fp64[:3].tolist() == [5e-324, 1e308, 1 / 3]
 
 
 def test_non_finite_any_on_the_cpu_under_a_float64_default_and_for_complex_gradients():
