@@ -289,6 +289,13 @@ def load_state(trainer, state: dict, source: str) -> None:
     pending = trainer._autotune_compile is not None  # the policy comes from the checkpoint: its scaler is checked below
     check_fits(trainer.model, trainer.optimizer, state, source, trainer.scheduler,
                stats_type=type(trainer.engine.stats), guard=None if pending else trainer.engine.guard)
+    if trainer.scheduler is None and state.get("scheduler") is not None:
+        raise ValueError(f"{source} holds the state of a {state.get('scheduler_class') or 'an LR'} scheduler, but this "
+                         "Trainer has none, so the schedule would stop where it was: build the Trainer with the saved "
+                         "run's scheduler (and scheduler_interval); nothing was loaded")
+    if trainer.scheduler is not None and state.get("scheduler") is None:
+        log.warning("%s holds no scheduler state: this Trainer's %s starts from its beginning", source,
+                    type(trainer.scheduler).__name__)
     saved_interval = state.get("scheduler_interval")
     if trainer.scheduler is not None and saved_interval not in (None, trainer.scheduler_interval):
         raise ValueError(f"{source} was saved with scheduler_interval={saved_interval!r}, but this Trainer's is "

@@ -89,6 +89,9 @@ def check_callbacks(callbacks: Any) -> None:
                 why = f"the class {cb.__name__} (pass an instance)"
         elif callable(cb) and not any(hooks):
             why = repr(cb)[:80]
+        elif all(h is None for h in hooks):  # a typo (on_epoch_ends) would make it a callback that never runs
+            near = sorted(n for n in dir(cb) if n.startswith("on_"))
+            why = f"{repr(cb)[:80]}, which has neither hook" + (f" (it has {', '.join(near)})" if near else "")
         elif not all(h is None or callable(h) for h in hooks):
             why = f"{repr(cb)[:80]}, whose hooks are not all callable"
         if why:
@@ -108,11 +111,16 @@ def check_loggers(loggers: Any) -> None:
 
 
 def check_directory(name: str, path: Any) -> None:
-    """Raise unless ``path`` is a non-empty path to a directory or to nothing yet."""
+    """Raise unless ``path`` is a non-empty path to a writable directory or to nothing yet, under a writable one."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"{name} must be a non-empty path (str or os.PathLike), got {path!r}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{name} {os.fspath(path)!r} exists and is not a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # the directory made at the first save goes in the nearest existing one
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {os.fspath(path)!r} cannot be written: {existing!r} is not writable by this process")
 
 
 def is_plateau(scheduler: Any) -> bool:

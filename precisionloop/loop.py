@@ -15,7 +15,7 @@ import os
 import time
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -139,15 +139,15 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
 
 
 def _check_generator(name: str, loader: Any, epochs: int) -> None:
-    """Refuse a generator that is spent, or that fit would need for more than one epoch (no ``max_steps``)."""
-    if not inspect.isgenerator(loader):
-        return
-    if inspect.getgeneratorstate(loader) == inspect.GEN_CLOSED:
+    """Refuse a generator that is spent, or an iterator (a generator, ``iter(...)``, ``map(...)``) that fit would
+    need for more than one epoch (no ``max_steps``)."""
+    if inspect.isgenerator(loader) and inspect.getgeneratorstate(loader) == inspect.GEN_CLOSED:
         raise ValueError(f"{name} is a generator that is already spent: it yields no more batches. Pass a list or a "
                          "DataLoader, which start again each epoch")
-    if epochs > 1:
-        raise ValueError(f"{name} is a generator, which can be iterated once only, and fit has {epochs} epochs to "
-                         "run: pass a list or a DataLoader, which start again each epoch, or fit one epoch at a time")
+    if isinstance(loader, Iterator) and epochs > 1:
+        raise ValueError(f"{name} is a {type(loader).__name__}, an iterator, which can be iterated once only, and fit "
+                         f"has {epochs} epochs to run: pass a list or a DataLoader, which start again each epoch, or "
+                         "fit one epoch at a time")
 
 
 DATA_WARNING = 0.3
@@ -273,8 +273,9 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
             if result is not None:
                 _after_step(trainer, result, options, totals)
     if totals.count == 0 and resume_at == 0:  # an epoch counted as trained with nothing trained would mislead
-        raise ValueError(f"train_loader yielded no batches in epoch {state.epoch + 1}: nothing was trained (a "
-                         "loader over an empty dataset?)")
+        why = (f"it is a {type(loader).__name__}, an iterator, spent by an earlier epoch: pass a list or a DataLoader, "
+               "which start again each epoch") if isinstance(loader, Iterator) else "a loader over an empty dataset?"
+        raise ValueError(f"train_loader yielded no batches in epoch {state.epoch + 1}: nothing was trained ({why})")
     return totals.record(trainer, complete)
 
 
@@ -474,7 +475,7 @@ def check_metrics(metrics: Mapping[str, Any] | None, loader: Iterable | None) ->
     """A dict of torchmetrics ``Metric`` objects, checked.
 
     Raises:
-        ValueError: metrics without a loader to compute them on.
+        ValueError: metrics without a loader to compute them on, or named as a value fit or evaluate reports.
         TypeError: not a mapping of ``Metric`` objects.
     """
     if not metrics:
@@ -488,4 +489,12 @@ def check_metrics(metrics: Mapping[str, Any] | None, loader: Iterable | None) ->
     for name, metric in metrics.items():
         if not isinstance(metric, Metric):
             raise TypeError(f"metrics[{name!r}] must be a torchmetrics.Metric, got {type(metric).__name__}")
+    taken = [n for n in metrics if n in _RECORD_KEYS or str(n).startswith("stats_")]
+    if taken:
+        raise ValueError(f"metrics named {', '.join(map(repr, taken))} would overwrite the values fit and evaluate "
+                         f"report under those names ({', '.join(sorted(_RECORD_KEYS))}, stats_*): name them otherwise")
     return dict(metrics)
+
+
+_RECORD_KEYS = frozenset({"epoch", "complete", "train_loss", "steps", "skipped", "time_s", "samples_per_s", "data_s",
+                          "data_fraction", "underflow", "underflow_scaled", "val_loss"})

@@ -116,10 +116,17 @@ def test_a_train_loader_that_is_not_iterable_is_named():
         _trainer().evaluate(5)
 
 
-def test_a_callback_object_without_hooks_is_still_accepted():
+def test_a_callback_object_without_either_hook_is_refused_naming_what_it_has():
+    class Misspelt:
+        def on_epoch_ends(self, trainer, record):
+            pass
+
     t = _trainer()
-    t.fit([(X, Y)], progress=False, callbacks=[object(), OnStep()])
-    assert t.global_step == 1
+    with pytest.raises(ValueError, match=r"callbacks\[1\] is .*which has neither hook \(it has on_epoch_ends\)"):
+        t.fit([(X, Y)], progress=False, callbacks=[OnStep(), Misspelt()])
+    with pytest.raises(ValueError, match=r"callbacks\[0\] is <object object.*which has neither hook"):
+        t.fit([(X, Y)], progress=False, callbacks=[object()])
+    assert t.global_step == 0
 
 
 # A malformed batch keeps the accumulation window ----------------------------------------------------------------
@@ -408,10 +415,14 @@ def test_a_train_loader_with_no_batches_is_refused_before_anything_changes(loade
 def test_a_generator_is_refused_up_front_when_spent_or_needed_for_several_epochs():
     m, t = mk()
     before = params_of(m)
-    with pytest.raises(ValueError, match="train_loader is a generator, which can be iterated once only, and fit has 2"):
+    with pytest.raises(ValueError, match="train_loader is a generator, an iterator, which can be iterated once only, "
+                                         "and fit has 2"):
         t.fit((batch(2) for _ in range(3)), epochs=2, progress=False)
-    with pytest.raises(ValueError, match="val_loader is a generator, which can be iterated once only"):
+    with pytest.raises(ValueError, match="val_loader is a generator, an iterator, which can be iterated once only"):
         t.fit([batch(2)], epochs=2, val_loader=(batch(2) for _ in range(3)), progress=False)
+    for one_shot in (iter([batch(2)] * 3), map(lambda b: b, [batch(2)] * 3)):
+        with pytest.raises(ValueError, match=f"train_loader is a {type(one_shot).__name__}, an iterator"):
+            t.fit(one_shot, epochs=3, progress=False)
     spent = (batch(2) for _ in range(1))
     list(spent)
     with pytest.raises(ValueError, match="train_loader is a generator that is already spent"):
@@ -419,6 +430,10 @@ def test_a_generator_is_refused_up_front_when_spent_or_needed_for_several_epochs
     assert same_params(m, before) and t.epoch == 0 and t.global_step == 0
     assert t.fit((batch(2) for _ in range(3)), epochs=1, progress=False)[0]["steps"] == 3  # one epoch is fine
     assert t.fit((batch(2) for _ in range(9)), epochs=5, max_steps=5, progress=False)  # max_steps ends it first
+    _, t = mk()
+    one_shot = iter([batch(2)] * 2)  # with max_steps an iterator may run out after an epoch: the message says so
+    with pytest.raises(ValueError, match="yielded no batches in epoch 2.*list_iterator, an iterator, spent"):
+        t.fit(one_shot, epochs=5, max_steps=100, progress=False)
 
 
 def test_an_epoch_whose_loader_yields_nothing_is_refused():

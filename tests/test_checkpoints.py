@@ -244,6 +244,26 @@ def test_a_checkpoint_keeps_its_scheduler_interval(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(other.model.parameters(), before))
 
 
+def test_a_checkpoint_with_a_schedule_is_refused_by_a_trainer_without_one(tmp_path, caplog):
+    import logging
+
+    from conftest import dropout_mlp
+
+    saved = _scheduled("step")
+    saved.fit(torch.utils.data.DataLoader(dataset(), batch_size=8), progress=False)
+    saved.save(tmp_path / "scheduled.pt")
+    model = dropout_mlp()
+    plain = Trainer(model, torch.optim.SGD(model.parameters(), lr=1.0), "fp32", device="cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="state of a StepLR scheduler, but this Trainer has none.*nothing was loaded"):
+        plain.load(tmp_path / "scheduled.pt")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and plain.global_step == 0
+    plain.save(tmp_path / "plain.pt")  # the other way round the schedule starts from its beginning, and says so
+    with caplog.at_level(logging.WARNING, logger="precisionloop"):
+        _scheduled("step").load(tmp_path / "plain.pt")
+    assert any("holds no scheduler state" in r.getMessage() for r in caplog.records)
+
+
 BATCH = (torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0]))
 
 

@@ -36,6 +36,30 @@ def test_history_keys_and_metrics_match_evaluate():
     assert trainer.model.training
 
 
+@pytest.mark.parametrize("name", ["val_loss", "epoch", "train_loss", "stats_steps"])
+def test_a_metric_named_as_a_reported_value_is_refused(name):
+    trainer = make_trainer("fp32")
+    val = DataLoader(dataset(8, seed=9), batch_size=8)
+    with pytest.raises(ValueError, match=f"metrics named '{name}' would overwrite"):
+        trainer.evaluate(val, {name: MulticlassAccuracy(num_classes=4)})
+    with pytest.raises(ValueError, match=f"metrics named '{name}' would overwrite"):
+        trainer.fit(DataLoader(dataset(), batch_size=8), val_loader=val, metrics={name: MulticlassAccuracy(num_classes=4)},
+                    progress=False)
+    assert trainer.global_step == 0
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path, monkeypatch):
+    import os
+
+    trainer = make_trainer("fp32")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path) else real(path, mode))
+    with pytest.raises(ValueError, match=r"checkpoint_dir .*/run' cannot be written: .* is not writable"):
+        trainer.fit(DataLoader(dataset(), batch_size=8), progress=False, checkpoint_dir=tmp_path / "run",
+                    checkpoint_every=1)
+    assert trainer.global_step == 0
+
+
 def test_evaluate_matches_a_hand_computed_accuracy_and_keeps_eval_mode():
     trainer = make_trainer("fp32")
     trainer.model.eval()
@@ -86,7 +110,7 @@ def test_max_steps_caps_the_total_and_callbacks_fire():
 
     recorder = Recorder()
     trainer = make_trainer("bf16")
-    history = trainer.fit(DataLoader(dataset(), batch_size=4), epochs=5, max_steps=13, progress=False, callbacks=[recorder, object()])
+    history = trainer.fit(DataLoader(dataset(), batch_size=4), epochs=5, max_steps=13, progress=False, callbacks=[recorder])
     assert trainer.global_step == 13 and trainer.epoch == 1 and trainer.batch_in_epoch == 3
     assert len(recorder.steps) == 13 and recorder.epochs == [1, 2]
     assert [h["complete"] for h in history] == [True, False]
