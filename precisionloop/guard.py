@@ -203,8 +203,8 @@ class FiniteGuard:
     def unscale_(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
         """The inf/NaN verdict of ``grads`` as a device tensor, 0 or 1, checked per (device, dtype) group.
 
-        By GradScaler's fused check, one launch that writes each value back as it was; on CUDA, for bf16 gradients
-        and for those too large for the write-back to be cheap, by the inf-norms, which only read (see
+        By GradScaler's fused check, one launch that writes each value back as it was; on CUDA, for bf16 and fp64
+        gradients and for groups too large for the write-back to be cheap, by the inf-norms, which only read (see
         ``_compat.non_finite_any_``). Shards (FSDP2's DTensors) and sparse gradients are checked by their local
         values; the verdicts meet on the first gradient's device, then are agreed across ranks.
         """
