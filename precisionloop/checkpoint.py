@@ -311,8 +311,10 @@ def load_state(trainer, state: dict, source: str) -> None:
         log.info("autotune skipped: resuming under the checkpoint's precision %s", trainer.policy.name)
     saved, now = state.get("precision"), trainer.policy.name
     if saved != now:
-        warnings.warn(f"{source} was saved under precision {saved!r} and is loaded under {now!r}; "
-                      "the loss-scaler state does not carry over between them", UserWarning, stacklevel=4)
+        scaled = bool(state.get("scaler")) or trainer.engine.guard.scaler is not None
+        warnings.warn(f"{source} was saved under precision {saved!r} and is loaded under {now!r}"
+                      + ("; the loss-scaler state does not carry over between them" if scaled else ""),
+                      UserWarning, stacklevel=4)
     elif settings_differ(state, policy_record(trainer.policy)):
         warnings.warn(f"{source} was saved under precision {precision_of(state)} and is loaded under "
                       f"{precision_of(policy_record(trainer.policy))}; training goes on with this Trainer's settings",

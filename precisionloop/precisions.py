@@ -55,6 +55,8 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | to
         parse_device(device)  # a bad device is an error whatever the spec, not only for "auto"
     if isinstance(spec, PrecisionPolicy):
         return spec
+    if isinstance(spec, type) and issubclass(spec, PrecisionPolicy):
+        raise ValueError(f"precision is the class {spec.__name__}; pass an instance, such as {spec.__name__}()")
     key = _normalise(spec)
     if key == "auto":
         return _auto_policy(resolve_device(device))

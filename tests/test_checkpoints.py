@@ -183,10 +183,13 @@ def test_loading_under_another_precision_warns_with_both_names(tmp_path):
     trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
     trainer.save(tmp_path / "c.pt")
     other = make_trainer("bf16")
-    with pytest.warns(UserWarning, match="'fp16'.*'bf16'"):
+    with pytest.warns(UserWarning, match="'fp16'.*'bf16'; the loss-scaler state does not carry over"):
         other.load(tmp_path / "c.pt")
     for p, q in zip(trainer.model.parameters(), other.model.parameters()):
         assert torch.equal(p, q)
+    other.save(tmp_path / "bf16.pt")  # neither bf16 nor fp32 has a scaler: the warning names none
+    with pytest.warns(UserWarning, match=r"saved under precision 'bf16' and is loaded under 'fp32'$"):
+        make_trainer("fp32").load(tmp_path / "bf16.pt")
 
 
 def test_periodic_checkpoints_rotate(tmp_path):

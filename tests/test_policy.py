@@ -63,6 +63,11 @@ def test_unknown_precision_names_value_and_options(bad):
         assert valid in message
 
 
+def test_a_policy_class_is_refused_naming_the_instance_to_pass():
+    with pytest.raises(ValueError, match=r"precision is the class BF16Policy; pass an instance, such as BF16Policy\(\)"):
+        get_policy(BF16Policy)
+
+
 def test_policies_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         BF16Policy().tf32 = False
