@@ -153,21 +153,6 @@ def test_non_finite_any_sets_found_and_leaves_the_gradients_alone():
     assert found.item() == 0.0 and all(torch.equal(g, b) for g, b in zip(clean, before))
 
 
-def test_non_finite_any_on_the_cpu_is_the_fused_check_and_keeps_every_bit(monkeypatch):
-    """Pins GradScaler's fused check on the CPU (several times faster there than the inf-norms): with a scale of one
-    it writes back each value exactly, subnormals and signed zeros included."""
-    calls = _spy_on_the_fused_check(monkeypatch)
-    grads = [torch.tensor([1e-45, -0.0, 3e38, -1.5]), torch.tensor([2.0, -1e-310], dtype=torch.float64)]
-    before = [g.clone() for g in grads]
-    found = torch.zeros(())
-    _compat.non_finite_any_(grads, found)
-    assert calls == [2] and found.item() == 0.0
-    assert all(torch.equal(g, b) and torch.equal(g.signbit(), b.signbit()) for g, b in zip(grads, before))
-    grads[1][0] = float("nan")
-    _compat.non_finite_any_(grads, found)
-    assert found.item() == 1.0
-
-
 def _spy_on_the_fused_check(monkeypatch) -> list:
     calls, fused = [], torch._amp_foreach_non_finite_check_and_unscale_
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_",
@@ -175,19 +160,25 @@ def _spy_on_the_fused_check(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype, values", [
-    (torch.float32, [1e-45, -0.0, 3e38, -1.5]), (torch.float16, [6e-8, -0.0, 65504.0, -1.5])])
-def test_non_finite_any_on_cuda_checks_small_gradients_in_one_fused_launch_and_keeps_every_bit(
-        monkeypatch, dtype, values):
+_FP32_EDGES, _FP16_EDGES = [1e-45, -0.0, 3e38, -1.5], [6e-8, -0.0, 65504.0, -1.5]
+
+
+@pytest.mark.parametrize("device, tensors", [
+    ("cpu", [(torch.float32, _FP32_EDGES), (torch.float64, [2.0, -1e-310])]),
+    pytest.param("cuda", [(torch.float32, _FP32_EDGES), (torch.float32, _FP32_EDGES[::-1])], marks=pytest.mark.gpu),
+    pytest.param("cuda", [(torch.float16, _FP16_EDGES), (torch.float16, _FP16_EDGES[::-1])], marks=pytest.mark.gpu),
+], ids=["cpu", "cuda-fp32", "cuda-fp16"])
+def test_small_gradients_take_the_fused_check_in_one_launch_and_keep_every_bit(monkeypatch, device, tensors):
+    """GradScaler's fused check with a scale of one writes back each value exactly, subnormals and signed zeros
+    included (on the CPU several times faster than the inf-norms; on CUDA one launch instead of theirs)."""
     calls = _spy_on_the_fused_check(monkeypatch)
-    grads = [torch.tensor(values, device="cuda", dtype=dtype), torch.tensor(values[::-1], device="cuda", dtype=dtype)]
+    grads = [torch.tensor(values, device=device, dtype=dtype) for dtype, values in tensors]
     before = [g.clone() for g in grads]
-    found = torch.zeros((), device="cuda")
+    found = torch.zeros((), device=device)
     _compat.non_finite_any_(grads, found)
     assert calls == [2] and found.item() == 0.0
     assert all(torch.equal(g, b) and torch.equal(g.signbit(), b.signbit()) for g, b in zip(grads, before))
-    grads[0][1] = float("nan")
+    grads[-1][0] = float("nan")
     _compat.non_finite_any_(grads, found)
     assert found.item() == 1.0
 
