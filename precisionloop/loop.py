@@ -205,32 +205,52 @@ def _start_epoch(trainer, loader: Iterable) -> tuple[Any, int]:
     return iterator, resume_at
 
 
-def _step(trainer, batch: Any):
-    """``trainer.step`` with the batch counted; a failed step rewinds to the start of the window it discarded."""
-    engine, state = trainer.engine, trainer.loop_state
-    window, before = engine.micro, engine.global_step
-    try:
-        result = trainer.step(batch)
-    except BaseException:
-        # If the optimizer step completed before the error (the skip limit), this batch was consumed.
-        # Otherwise a later fit replays from the first batch of the window the engine dropped, or from
-        # this batch if the error came before the engine ran (the window is then still open).
-        state.batch_in_epoch += 1 if engine.global_step != before else engine.micro - window
-        raise
-    state.batch_in_epoch += 1
-    return result
+class _Window:
+    """The open accumulation window's first batch and, when accumulating, the RNG state before it.
 
+    An exception escaping ``fit`` (a failed step, a callback, a Ctrl-C while the loader waits) drops the window's
+    gradients and puts ``batch_in_epoch`` and the RNG back to its start, so a ``save`` can follow and the next
+    ``fit`` trains the window again as first drawn.
+    """
 
-def _flush(trainer):
-    """``trainer.flush`` at the epoch's end; failing before its optimizer step, it leaves the window to be replayed."""
-    engine, state = trainer.engine, trainer.loop_state
-    window, before = engine.micro, engine.global_step
-    try:
-        return trainer.flush()
-    except BaseException:
-        if engine.global_step == before:
-            state.batch_in_epoch -= window
-        raise
+    def __init__(self, trainer):
+        self.trainer, self.start, self.rng = trainer, None, None
+
+    def step(self, batch: Any):
+        """``trainer.step`` with the batch counted."""
+        engine, state = self.trainer.engine, self.trainer.loop_state
+        if engine.micro == 0:
+            self.start = state.batch_in_epoch
+            self.rng = checkpoint.rng_state() if engine.grad_accum_steps > 1 else None
+        before = engine.global_step
+        try:
+            result = self.trainer.step(batch)
+        except BaseException:
+            if engine.global_step != before:  # the optimizer step completed (the skip limit): the batch was used
+                state.batch_in_epoch += 1
+                self.start = None
+            raise
+        state.batch_in_epoch += 1
+        if result.due:
+            self.start = None
+        return result
+
+    def flush(self):
+        """``trainer.flush`` at the epoch's end."""
+        before = self.trainer.engine.global_step
+        result = self.trainer.flush()
+        if self.trainer.engine.global_step != before:
+            self.start = None
+        return result
+
+    def rewind(self) -> None:
+        """After an exception: the open window's gradients dropped, its batches and RNG state put back."""
+        if self.start is None:
+            return
+        self.trainer.engine.discard_window()
+        self.trainer.loop_state.batch_in_epoch, self.start = self.start, None
+        if self.rng is not None:
+            checkpoint.set_rng_state(self.rng)
 
 
 def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
@@ -242,41 +262,60 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
     total = length(loader)
     bar = tqdm(total=total, initial=resume_at, desc=f"epoch {state.epoch + 1}/{options.epochs}",
                disable=not options.progress, dynamic_ncols=True, leave=True)
-    complete = True
     with contextlib.ExitStack() as cleanup:  # last in, first out; each runs even if one before it raised
         flags = cleanup.enter_context(contextlib.ExitStack())  # the caller's flags come back last
         cleanup.callback(bar.close)
         cleanup.callback(_close_generator, iterator, loader)
         cleanup.callback(setattr, engine, "sync_next", False)
-        held = trainer.policy
-        flags.enter_context(held.backend_flags())
+        flags.enter_context(trainer.policy.backend_flags())
         pull = functools.partial(totals.next_batch, iterator)
         if options.device_feed and trainer.device.type == "cuda":
             pull = feed.device_feed(pull, trainer.to_device, _END, feed.CudaStreams(trainer.device))
-        while (batch := pull()) is not _END:
-            engine.sync_next = total is not None and state.batch_in_epoch + 1 == total
-            result = _step(trainer, batch)
-            if trainer.policy is not held:  # autotune chose another policy at the first step
-                flags.close()
-                held = trainer.policy
-                flags.enter_context(held.backend_flags())
-            totals.add(result, batch)
-            if options.progress:
-                bar.update(1)
-                if totals.count % options.log_every == 0:
-                    bar.set_postfix(_postfix(engine, totals), refresh=False)
-            if _after_step(trainer, result, options, totals):
-                complete = total is not None and state.batch_in_epoch >= total  # stopped on the last batch
-                break
-        else:
-            result = _flush(trainer)
-            if result is not None:
-                _after_step(trainer, result, options, totals)
+        window = _Window(trainer)
+        try:
+            complete = _train_batches(trainer, pull, window, flags, bar, totals, options, total)
+        except BaseException:
+            window.rewind()
+            raise
     if totals.count == 0 and resume_at == 0:  # an epoch counted as trained with nothing trained would mislead
         why = (f"it is a {type(loader).__name__}, an iterator, spent by an earlier epoch: pass a list or a DataLoader, "
                "which start again each epoch") if isinstance(loader, Iterator) else "a loader over an empty dataset?"
+        if totals.empty:
+            why = f"each of its {totals.empty} batches was empty (size 0)"
         raise ValueError(f"train_loader yielded no batches in epoch {state.epoch + 1}: nothing was trained ({why})")
+    if totals.empty:
+        log.warning("fit: %d batches of epoch %d were empty (size 0) and were passed over", totals.empty,
+                    state.epoch + 1)
     return totals.record(trainer, complete)
+
+
+def _train_batches(trainer, pull, window: _Window, flags: contextlib.ExitStack, bar, totals, options: FitOptions,
+                   total: int | None) -> bool:
+    """Train on the epoch's batches, then step a partial window; whether the epoch ran to its end."""
+    engine, state, held = trainer.engine, trainer.loop_state, trainer.policy
+    while (batch := pull()) is not _END:
+        if batch_size(batch) == 0:  # nothing to train on (a collate that filters samples): counted as read
+            state.batch_in_epoch += 1
+            totals.empty += 1
+            bar.update(1)
+            continue
+        engine.sync_next = total is not None and state.batch_in_epoch + 1 == total
+        result = window.step(batch)
+        if trainer.policy is not held:  # autotune chose another policy at the first step
+            flags.close()
+            held = trainer.policy
+            flags.enter_context(held.backend_flags())
+        totals.add(result, batch)
+        if options.progress:
+            bar.update(1)
+            if totals.count % options.log_every == 0:
+                bar.set_postfix(_postfix(engine, totals), refresh=False)
+        if _after_step(trainer, result, options, totals):
+            return total is not None and state.batch_in_epoch >= total  # stopped on the last batch
+    result = window.flush()
+    if result is not None:
+        _after_step(trainer, result, options, totals)
+    return True
 
 
 def _close_generator(iterator: Any, loader: Iterable) -> None:
@@ -307,7 +346,7 @@ class _EpochTotals:
     def __init__(self, trainer, skipped_before: int):
         self.trainer = trainer
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
-        self.count, self.samples = 0, 0
+        self.count, self.samples, self.empty = 0, 0, 0  # micro-batches trained, their samples, empty ones passed over
         self.steps_before, self.skipped_before = trainer.global_step, skipped_before
         self.measured_before = len(trainer.underflow_history)
         self.start = time.perf_counter()

@@ -580,3 +580,82 @@ def test_a_scalar_first_in_a_dict_batch_is_not_its_size():
     empty = {"temperature": torch.tensor(1.0), "x": data[0]["x"][:0], "y": data[0]["y"][:0]}
     with pytest.raises(ValueError, match="the batch is empty"):
         trainer.step(empty)
+
+
+def _accumulating_dropout_trainer():
+    model = dropout_mlp()
+    return model, Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "fp32", device="cpu",
+                          grad_accum_steps=3)
+
+
+def _straight_run(epochs=2):
+    seed_all(11)
+    model, trainer = _accumulating_dropout_trainer()
+    seed_all(12)
+    trainer.fit(DataLoader(dataset(), batch_size=4, shuffle=True), epochs=epochs, progress=False)
+    return model, trainer
+
+
+@pytest.mark.parametrize("where", ["callback", "loader"])
+def test_an_interrupt_mid_window_can_be_saved_and_resumes_as_if_uninterrupted(tmp_path, where):
+    """A Ctrl-C in a callback or while the loader waits, with a window open: fit drops the window and puts the
+    batches and the RNG (dropout) back to its start, so save works and the resumed run is the uninterrupted one."""
+    ref_model, ref = _straight_run()
+    seed_all(11)
+    model, trainer = _accumulating_dropout_trainer()
+    seed_all(12)
+    calls = []
+
+    class Interrupt:
+        def on_step_end(self, trainer, result):
+            calls.append(result.due)
+            if where == "callback" and len(calls) == 16:  # epoch 2's fifth batch, its window's second (11 calls in epoch 1)
+                raise KeyboardInterrupt
+
+    class Loader:  # a DataLoader that is interrupted while fetching epoch 2's fifth batch
+        def __init__(self):
+            self.inner, self.epoch = DataLoader(dataset(), batch_size=4, shuffle=True), 0
+
+        def __len__(self):
+            return len(self.inner)
+
+        def __iter__(self):
+            self.epoch += 1
+            for i, b in enumerate(self.inner):
+                if where == "loader" and self.epoch == 2 and i == 4:
+                    raise KeyboardInterrupt
+                yield b
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(Loader(), epochs=2, progress=False, callbacks=[Interrupt()])
+    assert trainer.engine.micro == 0 and trainer.loop_state.batch_in_epoch == 3  # the window began at batch 4
+    trainer.save(tmp_path / "ckpt.pt")
+    seed_all(99)  # the process's RNG moves on: the checkpoint holds the window's start
+    model2, resumed = _accumulating_dropout_trainer()
+    resumed.load(tmp_path / "ckpt.pt")
+    resumed.fit(DataLoader(dataset(), batch_size=4, shuffle=True), epochs=2, progress=False)
+    assert resumed.global_step == ref.global_step
+    assert same_models(model2, ref_model)
+
+
+def test_an_empty_batch_in_an_epoch_is_passed_over_with_a_warning(caplog):
+    data = [b for b in batches(4)]
+    data.insert(2, (torch.empty(0, 16), torch.empty(0, dtype=torch.long)))
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    with caplog.at_level(logging.WARNING, logger="precisionloop.loop"):
+        history = trainer.fit(data, epochs=2, progress=False)
+    assert trainer.global_step == 8 and [h["steps"] for h in history] == [4, 4]
+    assert sum("1 batches of epoch 1 were empty (size 0)" in r.getMessage() for r in caplog.records) == 1
+    ref_model = tiny_mlp()
+    ref = Trainer(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), "fp32", device="cpu")
+    ref.fit([b for b in batches(4)], epochs=2, progress=False)
+    assert same_models(model, ref_model)
+
+
+def test_a_loader_of_only_empty_batches_is_refused_naming_them():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    empty = (torch.empty(0, 16), torch.empty(0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"each of its 2 batches was empty \(size 0\)"):
+        trainer.fit([empty, empty], progress=False)
