@@ -146,16 +146,8 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be a callable (outputs, targets) -> loss tensor, such as "
                          f"torch.nn.functional.cross_entropy, or None for that default; got {loss_fn!r}")
-    if input_transform is not None and (isinstance(input_transform, type) or not callable(input_transform)):
-        what = f"the class {input_transform.__name__} (pass an instance)" if isinstance(input_transform, type) else (
-            repr(input_transform)[:80])
-        raise ValueError(f"input_transform must be a callable run on the device on each batch's inputs, such as "
-                         f"precisionloop.normalize_uint8(mean, std), or None; got {what}")
-    if input_transform is not None and not _takes_one_argument(input_transform):
-        hint = (": normalize_uint8 builds the transform, so pass input_transform=normalize_uint8(mean, std), called"
-                if input_transform is normalize_uint8 else "")
-        raise ValueError(f"input_transform {getattr(input_transform, '__name__', repr(input_transform)[:80])} cannot "
-                         f"be called with one argument (the inputs){hint}")
+    if input_transform is not None:
+        _check_input_transform(input_transform)
     if scheduler is not None and (isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None))):
         raise ValueError(f"scheduler must be an LR scheduler instance built on the optimizer, got {scheduler!r}")
     if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
@@ -167,6 +159,25 @@ def check_trainer_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler:
         check_real("max_grad_norm", max_grad_norm, lambda v: 0 < v < float("inf"), "a finite number > 0, or None")
     for name, value in flags.items():
         check_flag(name, value)
+
+
+def _check_input_transform(transform: Any) -> None:
+    """A callable of one argument, and not a module with trainable parameters (no optimizer steps them)."""
+    if isinstance(transform, type) or not callable(transform):
+        what = f"the class {transform.__name__} (pass an instance)" if isinstance(transform, type) else repr(transform)[:80]
+        raise ValueError(f"input_transform must be a callable run on the device on each batch's inputs, such as "
+                         f"precisionloop.normalize_uint8(mean, std), or None; got {what}")
+    if not _takes_one_argument(transform):
+        hint = (": normalize_uint8 builds the transform, so pass input_transform=normalize_uint8(mean, std), called"
+                if transform is normalize_uint8 else "")
+        raise ValueError(f"input_transform {getattr(transform, '__name__', repr(transform)[:80])} cannot "
+                         f"be called with one argument (the inputs){hint}")
+    trainable = [n for n, p in transform.named_parameters() if p.requires_grad] if isinstance(transform, nn.Module) else []
+    if trainable:
+        raise ValueError(f"input_transform {type(transform).__name__} has trainable parameters ({', '.join(trainable[:3])}"
+                         f"{', ...' if len(trainable) > 3 else ''}), which only the model's optimizer could step, so "
+                         "their gradients would only grow: make it part of the model, or freeze it with "
+                         "input_transform.requires_grad_(False)")
 
 
 def _takes_one_argument(fn: Callable) -> bool:

@@ -23,7 +23,7 @@ from .guard import GradientGuard
 from .policy import PrecisionPolicy
 from .results import StepResult, TrainStats
 
-__all__ = ["StepEngine", "LossNotScalar"]
+__all__ = ["StepEngine", "LossNotScalar", "LossWithoutGrad"]
 
 
 class LossNotScalar(ValueError):
@@ -34,6 +34,16 @@ class LossNotScalar(ValueError):
         super().__init__(f"loss_fn (or compute_loss) returned {what}, not a scalar: reduce it to one number per "
                          "batch, e.g. reduction='mean' (nn.CrossEntropyLoss(reduction='none') gives one per sample); "
                          "nothing was changed")
+
+
+class LossWithoutGrad(ValueError):
+    """The loss of a micro-batch does not require grad, so its backward would reach no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__("loss_fn (or compute_loss) returned a loss that does not require grad, so backward would "
+                         "reach no parameter: the model's parameters are all frozen (requires_grad=False), or the "
+                         "loss was detached or computed under torch.no_grad() or torch.inference_mode(); nothing "
+                         "was changed")
 
 
 class _HostCopy:
@@ -114,7 +124,7 @@ class StepEngine:
                 if self.compile_mode is not None:
                     return self._compiled_step(batch)
                 return self._step(batch)
-        except LossNotScalar:
+        except (LossNotScalar, LossWithoutGrad):
             raise  # refused before its backward: the open window is as it was
         except BaseException:
             self.discard_window()
@@ -128,6 +138,8 @@ class StepEngine:
                 loss = self.compute_loss(batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise LossNotScalar(loss)
+            if not loss.requires_grad:
+                raise LossWithoutGrad()
             scaled = loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss
             self.guard.scale(scaled).backward()
         self.unsynced = bool(self.distributed) and not syncs

@@ -316,6 +316,31 @@ def test_a_loss_that_is_not_a_scalar_is_refused_before_backward_with_the_window_
     assert trainer.step((X, Y)).stepped  # the window goes on
 
 
+@pytest.mark.parametrize("how", ["frozen", "detached", "no_grad"])
+def test_a_loss_without_grad_is_refused_before_backward_with_the_window_kept(how):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", grad_accum_steps=2)
+    trainer.step((X, Y))  # one micro-batch of the window
+    grads = [p.grad.clone() for p in model.parameters()]
+
+    def loss_fn(outputs, targets):
+        if how == "no_grad":
+            with torch.no_grad():
+                return nn.functional.cross_entropy(outputs, targets)
+        return nn.functional.cross_entropy(outputs.detach() if how == "detached" else outputs, targets)
+
+    trainer.loss_fn = loss_fn
+    if how == "frozen":
+        model.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"returned a loss that does not require grad.*frozen.*nothing was changed"):
+        trainer.step((X, Y))
+    assert trainer.engine.micro == 1 and all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    model.requires_grad_(True)
+    trainer.loss_fn = nn.CrossEntropyLoss()
+    assert trainer.step((X, Y)).stepped  # the window goes on
+
+
 def test_a_scheduler_without_an_interval_is_refused_naming_both_choices():
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

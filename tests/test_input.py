@@ -170,6 +170,15 @@ def test_transforms_that_take_one_argument_are_accepted_however_they_are_built()
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", input_transform=scale)
 
 
+def test_a_module_transform_with_trainable_parameters_is_refused():
+    model, scale = Probe(), nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"input_transform Linear has trainable parameters \(weight, bias\), which "
+                                         r"only the model's optimizer.*requires_grad_\(False\)"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", input_transform=scale)
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu",
+            input_transform=scale.requires_grad_(False))
+
+
 @pytest.mark.parametrize("transform, what", [(lambda b: None, "NoneType"), (lambda b: b["x"], "Tensor")])
 def test_a_whole_batch_transform_that_returns_no_batch_is_named_before_the_model_runs(transform, what):
     m = net()
