@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import os
 import time
 import types
@@ -345,7 +346,9 @@ class _EpochTotals:
 
     def __init__(self, trainer, skipped_before: int):
         self.trainer = trainer
+        # The finite losses' sum and count, on the device: a skipped step's NaN or inf loss would hide the others.
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        self.finite = torch.zeros((), dtype=torch.int64, device=trainer.device)
         self.count, self.samples, self.empty = 0, 0, 0  # micro-batches trained, their samples, empty ones passed over
         self.steps_before, self.skipped_before = trainer.global_step, skipped_before
         self.measured_before = len(trainer.underflow_history)
@@ -377,25 +380,31 @@ class _EpochTotals:
 
     def add(self, result, batch: Any) -> None:
         loss = result._loss
-        self.loss_sum += loss if isinstance(loss, torch.Tensor) else float(loss)
+        if isinstance(loss, torch.Tensor):
+            finite = torch.isfinite(loss)
+            self.loss_sum += torch.where(finite, loss, 0.0)
+            self.finite += finite
+        elif math.isfinite(loss):  # read on the host already (a callback read result.loss)
+            self.loss_sum += loss
+            self.finite += 1
         self.count += 1
         self.samples += batch_size(batch) or 0
 
     def record(self, trainer, complete: bool) -> dict:
         elapsed = time.perf_counter() - self.start
-        loss_sum, count, samples = self.loss_sum, self.count, self.samples
+        loss_sum, finite, samples = self.loss_sum, self.finite, self.samples
         if trainer.distributed:
-            device = trainer.device
-            totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), torch.tensor(float(count), device=device),
-                                                        torch.tensor(float(samples), device=device)]))
-            loss_sum, count, samples = totals[0], int(totals[1]), int(totals[2])
+            totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), finite.float(),
+                                                        torch.tensor(float(samples), device=trainer.device)]))
+            loss_sum, finite, samples = totals[0], totals[1], int(totals[2])
+        finite = int(finite)
         stats, state = trainer.stats, trainer.loop_state
         measured = trainer.underflow_history[self.measured_before:]
         underflow = {k: measured[-1][k] for k in ("underflow", "underflow_scaled")} if measured else {}
         return {
             "epoch": state.epoch + 1,  # fit counts a complete epoch after its validation
             "complete": complete,
-            "train_loss": float(loss_sum) / count if count else float("nan"),
+            "train_loss": float(loss_sum) / finite if finite else float("nan"),
             "steps": trainer.global_step - self.steps_before,
             "skipped": stats.skipped - self.skipped_before,
             "time_s": elapsed,

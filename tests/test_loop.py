@@ -659,3 +659,24 @@ def test_a_loader_of_only_empty_batches_is_refused_naming_them():
     empty = (torch.empty(0, 16), torch.empty(0, dtype=torch.long))
     with pytest.raises(ValueError, match=r"each of its 2 batches was empty \(size 0\)"):
         trainer.fit([empty, empty], progress=False)
+
+
+def test_train_loss_is_the_mean_of_the_finite_losses_when_a_step_is_skipped():
+    """A NaN batch's step is skipped; its NaN loss is left out of train_loss, on the device or read on the host."""
+    data = [b for b in batches(5)]
+    data[2] = (torch.full_like(data[2][0], float("nan")), data[2][1])
+    losses = []
+
+    class Read:
+        def on_step_end(self, trainer, result):
+            losses.append(result.loss)  # read on the host: fit then sums the float
+
+    records = []
+    for callbacks in ([Read()], []):
+        model = tiny_mlp()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+        records.append(trainer.fit(data, progress=False, callbacks=callbacks)[0])
+        assert trainer.stats.skipped == 1
+    assert math.isnan(losses[2]) and all(math.isfinite(v) for i, v in enumerate(losses) if i != 2)
+    expected = sum(v for i, v in enumerate(losses) if i != 2) / 4
+    assert [r["train_loss"] for r in records] == [pytest.approx(expected)] * 2
