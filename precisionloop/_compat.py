@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -182,3 +183,11 @@ def dense_values(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's stored values: itself when dense, its non-zero values when sparse, its local shard under FSDP2."""
     g = grad._values() if grad.is_sparse else grad
     return g.to_local() if hasattr(g, "to_local") else g
+
+
+def stacklevel_outside_package() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside precisionloop (``sys._getframe``, CPython's)."""
+    package, frame, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

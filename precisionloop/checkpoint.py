@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _compat
 from . import distributed as _dist
 from . import fp32_modules
 from .policy import PrecisionPolicy
@@ -314,11 +315,11 @@ def load_state(trainer, state: dict, source: str) -> None:
         scaled = bool(state.get("scaler")) or trainer.engine.guard.scaler is not None
         warnings.warn(f"{source} was saved under precision {saved!r} and is loaded under {now!r}"
                       + ("; the loss-scaler state does not carry over between them" if scaled else ""),
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=_compat.stacklevel_outside_package())
     elif settings_differ(state, policy_record(trainer.policy)):
         warnings.warn(f"{source} was saved under precision {precision_of(state)} and is loaded under "
                       f"{precision_of(policy_record(trainer.policy))}; training goes on with this Trainer's settings",
-                      UserWarning, stacklevel=4)
+                      UserWarning, stacklevel=_compat.stacklevel_outside_package())
     restore_trainer(trainer, state)
 
 

@@ -223,8 +223,12 @@ def check_master_weights(model: nn.Module, name: str, compute_dtype: torch.dtype
             "torchao.optim._AdamW(params, bf16_stochastic_round=True)")
 
 
-def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer that does not hold exactly the model's trainable parameters."""
+def check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Refuse an optimizer that does not hold exactly the model's trainable parameters, or one built with
+    ``capturable=True`` (CUDA graphs' optimizer state) for a run on the CPU, where torch's step would assert."""
+    if device.type == "cpu" and any(group.get("capturable") for group in optimizer.param_groups):
+        raise ValueError(f"{type(optimizer).__name__} was built with capturable=True, which torch's optimizers run "
+                         "only on accelerators, and this Trainer trains on the CPU: build it with capturable=False")
     trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     owned = {id(p) for p in model.parameters()}
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}

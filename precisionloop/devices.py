@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from . import _compat
+
 __all__ = ["parse_device", "resolve_device", "cuda_bf16_native", "check_device_support"]
 
 
@@ -72,4 +74,4 @@ def check_device_support(name: str, dtype: torch.dtype, device: torch.device) ->
                          "loss scaling")
     if device.type == "cpu" and dtype == torch.float16:
         warnings.warn("fp16 autocast on the CPU is supported but very slow (tens of times slower than fp32); "
-                      "consider precision='bf16' on the CPU", UserWarning, stacklevel=5)
+                      "consider precision='bf16' on the CPU", UserWarning, stacklevel=_compat.stacklevel_outside_package())

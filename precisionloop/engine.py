@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import warnings
 from typing import Any, Callable
 
@@ -311,17 +309,10 @@ class StepEngine:
             self.collapse_warned = True
             warnings.warn(f"the loss scale fell to {scale:g} (below 1) at optimizer step {self.stats.steps}: the loss "
                           "scale is collapsing, so gradients are non-finite even unscaled; fp16 is unlikely to train "
-                          "this model", RuntimeWarning, stacklevel=_caller_level())
+                          "this model", RuntimeWarning, stacklevel=_compat.stacklevel_outside_package())
         if skipped and self.consecutive_skips >= self.max_consecutive_skips:
             raise RuntimeError(
                 f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients (at optimizer "
                 f"step {self.stats.steps}, loss scale {scale}); the loss or the model diverged. "
                 "Lower the learning rate, check the data, or try precision='bf16' or 'fp32'")
 
-
-def _caller_level() -> int:
-    """The ``stacklevel`` that points a warning raised here at the first frame outside this package."""
-    package, frame, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -14,6 +14,7 @@ from typing import Callable, ClassVar, Iterable
 import torch
 from torch import nn
 
+from . import _compat
 from . import fp32_modules
 from .policy import BF16Policy, refuse_fp8_layers
 
@@ -377,4 +378,4 @@ class FP8Policy(BF16Policy):
     def check_compile(self, mode: str | None, device_type: str) -> None:
         if mode is None and device_type == "cuda":
             warnings.warn("fp8 without torch.compile is known to be slower than bf16 (torchao's casts run "
-                          "eagerly); pass compile=True", UserWarning, stacklevel=4)
+                          "eagerly); pass compile=True", UserWarning, stacklevel=_compat.stacklevel_outside_package())

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from . import _compat
 from . import checkpoint, diagnostics
 from . import distributed as _dist
 from . import feed
@@ -110,7 +111,7 @@ def fit(trainer, train_loader: Iterable, options: FitOptions, val_loader: Iterab
     if epochs_left <= 0 and not options.reached(engine.global_step):
         warnings.warn(f"fit(epochs={options.epochs}) has nothing to do: {state.epoch} epochs are done already "
                       "(epochs counts every epoch, restored ones included); pass a larger epochs to train on",
-                      UserWarning, stacklevel=3)
+                      UserWarning, stacklevel=_compat.stacklevel_outside_package())
     try:
         while state.epoch < options.epochs and not options.reached(engine.global_step):
             record = _run_epoch(trainer, train_loader, options)

@@ -114,7 +114,7 @@ class Trainer:
         if self.distributed == "fsdp":
             policy.check_sharding(model, self.device)
         policy.check_weights(model, optimizer)
-        checks.check_optimizer_params(model, optimizer)
+        checks.check_optimizer_params(model, optimizer, self.device)
         _dist.check_optimizer(optimizer, self.distributed)
         mode = compile_mode(compile, self.device)
         self.optimizer, self.scheduler, self.input_transform = optimizer, scheduler, input_transform

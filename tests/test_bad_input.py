@@ -341,6 +341,13 @@ def test_a_loss_without_grad_is_refused_before_backward_with_the_window_kept(how
     assert trainer.step((X, Y)).stepped  # the window goes on
 
 
+def test_a_capturable_optimizer_on_the_cpu_is_refused_at_construction():
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="Adam was built with capturable=True.*trains on the CPU: build it with "
+                                         "capturable=False"):
+        Trainer(model, torch.optim.Adam(model.parameters(), capturable=True), "fp32", device="cpu")
+
+
 def test_a_scheduler_without_an_interval_is_refused_naming_both_choices():
     model = nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

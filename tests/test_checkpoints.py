@@ -183,8 +183,12 @@ def test_loading_under_another_precision_warns_with_both_names(tmp_path):
     trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
     trainer.save(tmp_path / "c.pt")
     other = make_trainer("bf16")
-    with pytest.warns(UserWarning, match="'fp16'.*'bf16'; the loss-scaler state does not carry over"):
+    with pytest.warns(UserWarning, match="'fp16'.*'bf16'; the loss-scaler state does not carry over") as record:
         other.load(tmp_path / "c.pt")
+    assert record[0].filename == __file__  # the caller's line, through load or load_state_dict alike
+    with pytest.warns(UserWarning, match="'fp16'.*'bf16'") as record:
+        make_trainer("bf16").load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
+    assert record[0].filename == __file__
     for p, q in zip(trainer.model.parameters(), other.model.parameters()):
         assert torch.equal(p, q)
     other.save(tmp_path / "bf16.pt")  # neither bf16 nor fp32 has a scaler: the warning names none

@@ -128,10 +128,11 @@ def test_bf16_on_old_cuda_gpu_suggests_fp16(monkeypatch):
     devices.check_device_support("fp16", torch.float16, torch.device("cuda", 0))  # fp16 is fine there
 
 
-def test_fp16_on_cpu_warns_at_construction():
+def test_fp16_on_cpu_warns_at_construction_pointing_at_the_callers_line():
     model = tiny_mlp()
-    with pytest.warns(UserWarning, match="slow"):
+    with pytest.warns(UserWarning, match="slow") as record:
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16", device="cpu")
+    assert record[0].filename == __file__
 
 
 def _flags():
