@@ -240,10 +240,11 @@ class _Window:
     def flush(self):
         """``trainer.flush`` at the epoch's end."""
         before = self.trainer.engine.global_step
-        result = self.trainer.flush()
-        if self.trainer.engine.global_step != before:
-            self.start = None
-        return result
+        try:
+            return self.trainer.flush()
+        finally:
+            if self.trainer.engine.global_step != before:  # stepped, even if the skip limit then raised
+                self.start = None
 
     def rewind(self) -> None:
         """After an exception: the open window's gradients dropped, its batches and RNG state put back."""

@@ -680,3 +680,15 @@ def test_train_loss_is_the_mean_of_the_finite_losses_when_a_step_is_skipped():
     assert math.isnan(losses[2]) and all(math.isfinite(v) for i, v in enumerate(losses) if i != 2)
     expected = sum(v for i, v in enumerate(losses) if i != 2) / 4
     assert [r["train_loss"] for r in records] == [pytest.approx(expected)] * 2
+
+
+def test_a_skip_limit_raised_by_the_end_of_epoch_flush_counts_the_flushed_batches_as_used():
+    """The flush stepped (skipping) before the limit raised: its window is not put back to be trained twice."""
+    data = [b for b in batches(3)]
+    data[2] = (torch.full_like(data[2][0], float("nan")), data[2][1])
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", grad_accum_steps=2,
+                      max_consecutive_skips=1)
+    with pytest.raises(RuntimeError, match="1 optimizer steps in a row were skipped"):
+        trainer.fit(data, progress=False)
+    assert trainer.global_step == 2 and trainer.loop_state.batch_in_epoch == 3 and trainer.engine.micro == 0
