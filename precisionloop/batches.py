@@ -142,10 +142,12 @@ def tensors(batch: Any) -> Iterator[torch.Tensor]:
 
 
 def batch_size(batch: Any) -> int | None:
-    """The leading dimension of the first tensor of one or more dimensions in a (nested) batch; 1 for a batch of 0-d
-    tensors only (a scalar beside the data has no batch dimension); None when it holds no tensor."""
-    sizes = [t.shape[0] if t.dim() else None for t in tensors(batch)]
-    return next((n for n in sizes if n is not None), 1) if sizes else None
+    """The leading dimension of the first tensor of one or more dimensions in a (nested) batch that has one above 0
+    (an empty side tensor, such as a detection batch's boxes, does not make the batch empty), 0 when none has; 1 for
+    a batch of 0-d tensors only (a scalar beside the data has no batch dimension); None when it holds no tensor."""
+    found = list(tensors(batch))
+    sizes = [t.shape[0] for t in found if t.dim()]
+    return next((n for n in sizes if n), 0) if sizes else (1 if found else None)
 
 
 def pair(batch: Any, suffix: str = "") -> tuple[Any, Any]:

@@ -284,9 +284,9 @@ class StepEngine:
         self.collapse_warned = counters["collapse_warned"]
         self.stats = type(self.stats)(**stats)
         self.last_loss = None  # the replaced run's last loss (the progress bar's) is not this one's
-        self.last_scale = self.guard.scale_value()
-        if self.last_scale is not None:
-            self.stats.scale = self.last_scale
+        self.last_scale = self.stats.scale = self.guard.scale_value()
+        if self.last_scale is None:  # no scaler here (a checkpoint of an fp16 run): no scale to report
+            self.stats.min_scale = self.stats.max_scale = None
 
     def discard_pending(self) -> None:
         """Forget the verdict not yet booked: a load replaces the counters, stats and scheduler it would change."""

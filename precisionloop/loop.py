@@ -184,31 +184,37 @@ def _input_advice(eager: bool, accelerator: bool) -> str:
 
 
 def _start_epoch(trainer, loader: Iterable) -> tuple[Any, int]:
-    """An iterator over this epoch's batches, fast-forwarded past those a checkpoint already consumed."""
+    """An iterator over this epoch's batches, fast-forwarded past those a checkpoint already consumed.
+
+    An epoch begun before (``rng_epoch_start`` set: a checkpoint mid-epoch, or a ``fit`` stopped by an exception,
+    at its first batch too) replays the shuffle it drew, with the RNG as it is now restored after the replay.
+    """
     state = trainer.loop_state
     resume_at, resume_rng = state.batch_in_epoch, None
-    if resume_at == 0 or state.rng_epoch_start is None:
+    if state.rng_epoch_start is None:
         # The sampler and the DataLoader draw their seeds from this state when the iterator is made.
         state.rng_epoch_start = checkpoint.rng_state()
         resume_at = state.batch_in_epoch = 0
     else:
         resume_rng = checkpoint.rng_state()
         checkpoint.set_rng_state(state.rng_epoch_start)
-    sampler = getattr(loader, "sampler", None)
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(state.epoch)
-    iterator = iter(loader)
-    for done in range(resume_at):  # replay the same shuffle up to where the checkpoint stopped
-        if next(iterator, _END) is _END:
-            raise ValueError(f"the checkpoint stopped at batch {resume_at} of epoch {state.epoch + 1}, but this "
-                             f"train_loader has only {done} batches per epoch; resume with the same data")
-    if resume_rng is not None:
-        checkpoint.set_rng_state(resume_rng)
+    try:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(state.epoch)
+        iterator = iter(loader)
+        for done in range(resume_at):  # replay the same shuffle up to where the checkpoint stopped
+            if next(iterator, _END) is _END:
+                raise ValueError(f"the checkpoint stopped at batch {resume_at} of epoch {state.epoch + 1}, but this "
+                                 f"train_loader has only {done} batches per epoch; resume with the same data")
+    finally:  # a failed or interrupted replay too: the RNG the run goes on from is the one it had
+        if resume_rng is not None:
+            checkpoint.set_rng_state(resume_rng)
     return iterator, resume_at
 
 
 class _Window:
-    """The open accumulation window's first batch and, when accumulating, the RNG state before it.
+    """The open accumulation window's first batch and, when accumulating, the RNG state before that batch was read.
 
     An exception escaping ``fit`` (a failed step, a callback, a Ctrl-C while the loader waits) drops the window's
     gradients and puts ``batch_in_epoch`` and the RNG back to its start, so a ``save`` can follow and the next
@@ -218,12 +224,16 @@ class _Window:
     def __init__(self, trainer):
         self.trainer, self.start, self.rng = trainer, None, None
 
+    def before_batch(self) -> None:
+        """Before the loader is read: a window opens with the next batch unless one is open."""
+        engine = self.trainer.engine
+        if engine.micro == 0:
+            self.start = self.trainer.loop_state.batch_in_epoch
+            self.rng = checkpoint.rng_state() if engine.grad_accum_steps > 1 else None
+
     def step(self, batch: Any):
         """``trainer.step`` with the batch counted."""
         engine, state = self.trainer.engine, self.trainer.loop_state
-        if engine.micro == 0:
-            self.start = state.batch_in_epoch
-            self.rng = checkpoint.rng_state() if engine.grad_accum_steps > 1 else None
         before = engine.global_step
         try:
             result = self.trainer.step(batch)
@@ -285,6 +295,7 @@ def _run_epoch(trainer, loader: Iterable, options: FitOptions) -> dict:
                "which start again each epoch") if isinstance(loader, Iterator) else "a loader over an empty dataset?"
         if totals.empty:
             why = f"each of its {totals.empty} batches was empty (size 0)"
+            state.batch_in_epoch, state.rng_epoch_start = 0, None  # the next fit reads the epoch afresh, and says so
         raise ValueError(f"train_loader yielded no batches in epoch {state.epoch + 1}: nothing was trained ({why})")
     if totals.empty:
         log.warning("fit: %d batches of epoch %d were empty (size 0) and were passed over", totals.empty,
@@ -296,7 +307,10 @@ def _train_batches(trainer, pull, window: _Window, flags: contextlib.ExitStack, 
                    total: int | None) -> bool:
     """Train on the epoch's batches, then step a partial window; whether the epoch ran to its end."""
     engine, state, held = trainer.engine, trainer.loop_state, trainer.policy
-    while (batch := pull()) is not _END:
+    while True:
+        window.before_batch()
+        if (batch := pull()) is _END:
+            break
         if batch_size(batch) == 0:  # nothing to train on (a collate that filters samples): counted as read
             state.batch_in_epoch += 1
             totals.empty += 1
@@ -455,9 +469,13 @@ def evaluate(trainer, loader: Iterable, metrics: Mapping[str, Any] | None) -> di
 
 
 def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, float]:
-    """Mean loss and metrics over ``loader`` in eval mode, without grad, under the policy's autocast and flags."""
+    """Mean loss and metrics over ``loader`` in eval mode, without grad, under the policy's autocast and flags.
+
+    The RNG states are put back after it (a DataLoader draws its seeds when iterated), so validating, or stopping
+    for it mid-epoch, changes nothing in the training that follows.
+    """
     model, device = trainer.model, trainer.device
-    was_training = model.training
+    was_training, rng = model.training, checkpoint.rng_state()
     model.eval()
     for metric in metrics.values():
         metric.to(device)
@@ -499,6 +517,7 @@ def validate(trainer, loader: Iterable, metrics: dict[str, Any]) -> dict[str, fl
         return result
     finally:
         model.train(was_training)
+        checkpoint.set_rng_state(rng)
 
 
 def _evaluation_step(trainer, batch: Any, need_outputs: bool) -> tuple[torch.Tensor, Any, Any]:

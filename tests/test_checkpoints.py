@@ -191,6 +191,9 @@ def test_loading_under_another_precision_warns_with_both_names(tmp_path):
     assert record[0].filename == __file__
     for p, q in zip(trainer.model.parameters(), other.model.parameters()):
         assert torch.equal(p, q)
+    assert other.stats.scale is None and other.stats.min_scale is None  # no scaler here: the saved scale is gone
+    record = other.fit(DataLoader(dataset(), batch_size=4), epochs=2, max_steps=3, progress=False)[-1]
+    assert record["stats_scale"] is None and record["stats_max_scale"] is None
     other.save(tmp_path / "bf16.pt")  # neither bf16 nor fp32 has a scaler: the warning names none
     with pytest.warns(UserWarning, match=r"saved under precision 'bf16' and is loaded under 'fp32'$"):
         make_trainer("fp32").load(tmp_path / "bf16.pt")

@@ -588,18 +588,39 @@ def _accumulating_dropout_trainer():
                           grad_accum_steps=3)
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """Random noise added in __getitem__: a main-process DataLoader draws it from the global RNG."""
+
+    def __init__(self):
+        self.base = dataset()
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + 0.1 * torch.randn_like(x), y
+
+
+def _augmented_loader():
+    return DataLoader(_Augmented(), batch_size=4, shuffle=True)
+
+
 def _straight_run(epochs=2):
     seed_all(11)
     model, trainer = _accumulating_dropout_trainer()
     seed_all(12)
-    trainer.fit(DataLoader(dataset(), batch_size=4, shuffle=True), epochs=epochs, progress=False)
+    trainer.fit(_augmented_loader(), epochs=epochs, progress=False)
     return model, trainer
 
 
-@pytest.mark.parametrize("where", ["callback", "loader"])
-def test_an_interrupt_mid_window_can_be_saved_and_resumes_as_if_uninterrupted(tmp_path, where):
-    """A Ctrl-C in a callback or while the loader waits, with a window open: fit drops the window and puts the
-    batches and the RNG (dropout) back to its start, so save works and the resumed run is the uninterrupted one."""
+@pytest.mark.parametrize("where, at, start", [("callback", 16, 3), ("callback", 12, 0), ("loader", 4, 3),
+                                              ("loader", 0, 0)],
+                         ids=["callback-mid-window", "callback-first-batch", "loader-mid-window", "loader-first-batch"])
+def test_an_interrupt_mid_window_can_be_saved_and_resumes_as_if_uninterrupted(tmp_path, where, at, start):
+    """A Ctrl-C in a callback or while the loader reads, with a window open: fit drops the window and puts the
+    batches and the RNG (dropout, augmentation) back to its start, so save works and the resumed run, shuffle
+    included, is the uninterrupted one. 10 batches an epoch, windows of 3, 11 callbacks in epoch 1 (the flush)."""
     ref_model, ref = _straight_run()
     seed_all(11)
     model, trainer = _accumulating_dropout_trainer()
@@ -609,12 +630,12 @@ def test_an_interrupt_mid_window_can_be_saved_and_resumes_as_if_uninterrupted(tm
     class Interrupt:
         def on_step_end(self, trainer, result):
             calls.append(result.due)
-            if where == "callback" and len(calls) == 16:  # epoch 2's fifth batch, its window's second (11 calls in epoch 1)
+            if where == "callback" and len(calls) == at:
                 raise KeyboardInterrupt
 
-    class Loader:  # a DataLoader that is interrupted while fetching epoch 2's fifth batch
+    class Loader:  # the DataLoader, interrupted in epoch 2 once batch `at` is read
         def __init__(self):
-            self.inner, self.epoch = DataLoader(dataset(), batch_size=4, shuffle=True), 0
+            self.inner, self.epoch = _augmented_loader(), 0
 
         def __len__(self):
             return len(self.inner)
@@ -622,20 +643,64 @@ def test_an_interrupt_mid_window_can_be_saved_and_resumes_as_if_uninterrupted(tm
         def __iter__(self):
             self.epoch += 1
             for i, b in enumerate(self.inner):
-                if where == "loader" and self.epoch == 2 and i == 4:
+                if where == "loader" and self.epoch == 2 and i == at:
                     raise KeyboardInterrupt
                 yield b
 
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(Loader(), epochs=2, progress=False, callbacks=[Interrupt()])
-    assert trainer.engine.micro == 0 and trainer.loop_state.batch_in_epoch == 3  # the window began at batch 4
+    assert trainer.engine.micro == 0 and trainer.loop_state.batch_in_epoch == start
     trainer.save(tmp_path / "ckpt.pt")
     seed_all(99)  # the process's RNG moves on: the checkpoint holds the window's start
     model2, resumed = _accumulating_dropout_trainer()
     resumed.load(tmp_path / "ckpt.pt")
-    resumed.fit(DataLoader(dataset(), batch_size=4, shuffle=True), epochs=2, progress=False)
+    # The same kind of loader (a generator over a DataLoader iterates it lazily, so it draws its seeds at the first
+    # batch, not at iter()); a fresh one, at its first epoch, does not interrupt.
+    resumed.fit(Loader(), epochs=2, progress=False)
     assert resumed.global_step == ref.global_step
     assert same_models(model2, ref_model)
+
+
+def test_a_max_steps_stop_mid_epoch_with_validation_resumes_as_if_uninterrupted(tmp_path):
+    """The validation after the stop iterates a DataLoader, which draws its seed from the global RNG: fit puts the
+    RNG back after validating, so the checkpoint resumes the run as it would have gone on."""
+    def run():
+        seed_all(3)
+        model = dropout_mlp()
+        return model, Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "fp32", device="cpu")
+
+    val = DataLoader(dataset(16, seed=5), batch_size=4, shuffle=True)
+    ref_model, ref = run()
+    seed_all(4)
+    ref.fit(DataLoader(dataset(), batch_size=4, shuffle=True), epochs=2, progress=False)
+    model, trainer = run()
+    seed_all(4)
+    trainer.fit(DataLoader(dataset(), batch_size=4, shuffle=True), epochs=2, max_steps=13, val_loader=val,
+                progress=False)
+    trainer.save(tmp_path / "ckpt.pt")
+    model2, resumed = run()
+    resumed.load(tmp_path / "ckpt.pt")
+    resumed.fit(DataLoader(dataset(), batch_size=4, shuffle=True), epochs=2, progress=False)
+    assert resumed.global_step == ref.global_step == 20 and same_models(model2, ref_model)
+
+
+def test_a_replay_that_fails_leaves_the_rng_as_it_was(tmp_path):
+    """A resume with the wrong loader is refused mid-replay; the RNG the run goes on from is not the epoch's start."""
+    seed_all(11)
+    ref_model, ref = _accumulating_dropout_trainer()
+    seed_all(12)
+    ref.fit(_augmented_loader(), epochs=2, progress=False)
+    seed_all(11)
+    model, trainer = _accumulating_dropout_trainer()
+    seed_all(12)
+    trainer.fit(_augmented_loader(), epochs=2, max_steps=6, progress=False)  # stops at epoch 2's 7th batch
+    trainer.save(tmp_path / "ckpt.pt")
+    model2, resumed = _accumulating_dropout_trainer()
+    resumed.load(tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="has only 5 batches per epoch"):
+        resumed.fit(DataLoader(_Augmented(), batch_size=8, shuffle=True), epochs=2, progress=False)
+    resumed.fit(_augmented_loader(), epochs=2, progress=False)
+    assert resumed.global_step == ref.global_step and same_models(model2, ref_model)
 
 
 def test_an_empty_batch_in_an_epoch_is_passed_over_with_a_warning(caplog):
@@ -653,12 +718,22 @@ def test_an_empty_batch_in_an_epoch_is_passed_over_with_a_warning(caplog):
     assert same_models(model, ref_model)
 
 
-def test_a_loader_of_only_empty_batches_is_refused_naming_them():
+def test_a_loader_of_only_empty_batches_is_refused_naming_them_every_time():
     model = tiny_mlp()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
     empty = (torch.empty(0, 16), torch.empty(0, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"each of its 2 batches was empty \(size 0\)"):
-        trainer.fit([empty, empty], progress=False)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"each of its 2 batches was empty \(size 0\)"):
+            trainer.fit([empty, empty], progress=False)
+    assert trainer.epoch == 0 and trainer.loop_state.batch_in_epoch == 0
+
+
+def test_an_empty_side_tensor_does_not_make_a_dict_batch_empty():
+    m = net()
+    trainer = DictTrainer(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu")
+    b = {"ignore": torch.zeros(0, dtype=torch.long), **dict_batch(1)}
+    assert trainer.step(b).stepped
+    assert trainer.fit([b, b], progress=False)[0]["steps"] == 2
 
 
 def test_train_loss_is_the_mean_of_the_finite_losses_when_a_step_is_skipped():
