@@ -41,6 +41,9 @@ except ImportError:  # numpy is optional; its RNG is saved only when it is there
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """Write ``obj`` with ``torch.save`` so that ``path`` holds either the old file or the whole new one."""
     path = Path(path)
+    if path.name in ("", ".", "..") or path.is_dir():
+        raise IsADirectoryError(f"cannot write checkpoint {str(path) or repr('')}: it names a directory; give a file "
+                                f"path, such as {path / 'checkpoint.pt'}")
     path.parent.mkdir(parents=True, exist_ok=True)
     # The mode open() would give: an existing file keeps its own (one open() may not write is refused, not
     # replaced), a new one 0666 less the umask (mkstemp makes 0600). A symlink is replaced, its target untouched.
@@ -358,6 +361,9 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, s
     if scheduler is not None and saved_scheduler is not None and saved_scheduler != type(scheduler).__name__:
         raise ValueError(f"{source} holds the state of a {saved_scheduler} scheduler, but this Trainer's scheduler is a "
                          f"{type(scheduler).__name__}; nothing was loaded")
+    if scheduler is not None and state.get("scheduler") is not None:
+        _refuse(source, "holds scheduler state this scheduler cannot take",
+                _entries_problems("scheduler", state["scheduler"], scheduler.state_dict()))
     _refuse(source, "does not fit this model", _model_problems(model, state["model"]))
     saved_class = state.get("optimizer_class")
     if saved_class is not None and saved_class != type(optimizer).__name__:
@@ -415,7 +421,7 @@ def _check_layout(state: Any, source: str, stats_type: type | None, guard: Any) 
             problems.append("'optimizer' lacks its 'state' dict or its 'param_groups' (dicts with 'params' lists)")
         counters = state["counters"]
         problems += [f"counters[{k!r}] is {counters.get(k, 'missing')!r}, not {kind.__name__}"
-                     for k, kind in _COUNTERS if not _is(counters.get(k), kind)]
+                     for k, kind in _COUNTERS if not _is(counters.get(k), kind) or (kind is int and counters[k] < 0)]
         if stats_type is not None:
             problems += _stats_problems(state["stats"], stats_type)
         for key in ("rng", "rng_epoch_start"):
@@ -463,7 +469,8 @@ def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer
     for name, entries in saved["state"].items():
         param = params.get(name)
         if param is None or not isinstance(entries, dict):
-            problems += [] if param is None else [f"the state of {name} is a {type(entries).__name__}, not a dict"]
+            problems.append(f"it holds state for {name}, which the model has no parameter of" if param is None else
+                            f"the state of {name} is a {type(entries).__name__}, not a dict")
             continue
         live = optimizer.state.get(param, {})
         for key, value in entries.items():
@@ -480,6 +487,16 @@ def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer
                      for key, value in saved_group.items()
                      if key in group and key not in ("params", *_KERNEL_KEYS) and not _same_kind(value, group[key])]
     return problems
+
+
+def _entries_problems(what: str, saved: Any, live: dict) -> list[str]:
+    """A saved state dict against the live one's: some key in common (another torch may add or drop some), and
+    each common value of the same kind."""
+    if not isinstance(saved, dict) or (live and not set(saved) & set(live)):
+        return [f"{what!r} is {sorted(saved) if isinstance(saved, dict) else type(saved).__name__}, not a state with "
+                f"{sorted(live)}"]
+    return [f"{what}[{k!r}] is {saved[k]!r:.60}, where this one has {v!r:.60}" for k, v in live.items()
+            if k in saved and not _same_kind(saved[k], v)]
 
 
 def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:

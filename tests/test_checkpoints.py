@@ -745,3 +745,29 @@ def test_8bit_optimizer_states_are_refused_at_save_and_no_file_is_written(tmp_pa
     with pytest.raises(ValueError, match="OptimState8bit.*Quantized optimizer states .*cannot be checkpointed"):
         trainer.save(tmp_path / "q.pt")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda s: s["counters"].update(batch_in_epoch=-5), r"counters\['batch_in_epoch'\] is -5"),
+    (lambda s: s["scheduler"].update(last_epoch="3"), r"scheduler\['last_epoch'\] is '3', where this one has"),
+    (lambda s: s.update(scheduler={"foo": 1}), r"'scheduler' is \['foo'\], not a state with"),
+    (lambda s: s["optimizer"]["state"].update({"nope.weight": {}}), r"state for nope.weight, which the model has no"),
+], ids=["negative-counter", "scheduler-value-kind", "unrelated-scheduler-state", "unknown-parameter-state"])
+def test_a_hand_damaged_state_is_refused_before_anything_changes(tmp_path, damage, match):
+    trainer = make_trainer("fp32")
+    trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=3, progress=False)
+    state = copy.deepcopy(trainer.state_dict())
+    damage(state)
+    other = make_trainer("fp32", seed=1)
+    before = copy.deepcopy(other.model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(state)
+    assert all(torch.equal(v, other.model.state_dict()[k]) for k, v in before.items()) and other.global_step == 0
+
+
+def test_save_to_a_directory_or_an_empty_path_is_refused_naming_a_file_path(tmp_path, monkeypatch):
+    trainer = _trainer()
+    for path in (tmp_path, ""):
+        with pytest.raises(IsADirectoryError, match="names a directory; give a file path, such as"):
+            trainer.save(path)
+    assert not list(tmp_path.iterdir())
