@@ -369,6 +369,11 @@ def check_fits(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any, s
     if saved_class is not None and saved_class != type(optimizer).__name__:
         raise ValueError(f"{source} holds the state of a {saved_class} optimizer, but this Trainer's optimizer is a "
                          f"{type(optimizer).__name__}; build the Trainer with a {saved_class}. Nothing was loaded")
+    if isinstance(optimizer, torch.optim.SparseAdam) and state["optimizer"]["state"] and not optimizer.state:
+        # torch.distributed.checkpoint sets up an empty optimizer's state with a step on dense zero gradients
+        raise ValueError(f"{source} holds SparseAdam state, which loads only into a SparseAdam that has state of its "
+                         "own (torch.distributed.checkpoint starts an empty one with a dense step, which SparseAdam "
+                         "refuses): take one trainer.step first, then load; nothing was loaded")
     saved_groups = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
     groups = [len(g["params"]) for g in optimizer.param_groups]
     if saved_groups != groups:

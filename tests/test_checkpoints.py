@@ -771,3 +771,26 @@ def test_save_to_a_directory_or_an_empty_path_is_refused_naming_a_file_path(tmp_
         with pytest.raises(IsADirectoryError, match="names a directory; give a file path, such as"):
             trainer.save(path)
     assert not list(tmp_path.iterdir())
+
+
+def test_sparse_adam_state_into_a_fresh_optimizer_is_refused_before_anything_changes(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 3))
+        optimizer = torch.optim.SparseAdam(list(model[0].parameters()), lr=0.1)
+        model[2].requires_grad_(False)
+        return model, Trainer(model, optimizer, "fp32", device="cpu")
+
+    data = [(torch.randint(0, 10, (4, 2)), torch.randint(0, 3, (4,))) for _ in range(3)]
+    model, trainer = build()
+    trainer.fit(data, progress=False)
+    trainer.save(tmp_path / "sparse.pt")
+    fresh_model, fresh = build()
+    before = copy.deepcopy(fresh_model.state_dict())
+    with pytest.raises(ValueError, match="SparseAdam state, which loads only into a SparseAdam that has state"):
+        fresh.load(tmp_path / "sparse.pt")
+    assert all(torch.equal(v, fresh_model.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in fresh_model.parameters())
+    fresh.step(data[0])  # as the message says: a step, then the load
+    fresh.load(tmp_path / "sparse.pt")
+    assert all(torch.equal(p, q) for p, q in zip(fresh_model.parameters(), model.parameters()))
