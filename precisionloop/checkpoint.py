@@ -468,7 +468,7 @@ def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer
     """Per-parameter state tensors whose shapes could not step the parameter, and hyperparameters of another kind.
     A tensor is compared with the live state where there is one; else, for torch's own optimizers, it must broadcast
     to its parameter (Adafactor keeps a row and a column); others may keep state of any shape."""
-    params = dict(_dist.unwrap(model).named_parameters())
+    params = {_compat.canonical_name(n): p for n, p in _dist.unwrap(model).named_parameters()}
     builtin = type(optimizer).__module__.startswith("torch.optim")
     problems = []
     for name, entries in saved["state"].items():
@@ -533,7 +533,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: 
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     if optimizer.state:
         return _unwrap_tensor_subclasses(get_state_dict(model, optimizer, options=options))
-    names = {id(p): n for n, p in _dist.unwrap(model).named_parameters()}
+    names = {id(p): _compat.canonical_name(n) for n, p in _dist.unwrap(model).named_parameters()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
     return _unwrap_tensor_subclasses(get_model_state_dict(model, options=options)), {"state": {}, "param_groups": groups}

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import math
 import os
 import time
 import types
@@ -186,8 +185,9 @@ def _input_advice(eager: bool, accelerator: bool) -> str:
 def _start_epoch(trainer, loader: Iterable) -> tuple[Any, int]:
     """An iterator over this epoch's batches, fast-forwarded past those a checkpoint already consumed.
 
-    An epoch begun before (``rng_epoch_start`` set: a checkpoint mid-epoch, or a ``fit`` stopped by an exception,
-    at its first batch too) replays the shuffle it drew, with the RNG as it is now restored after the replay.
+    An epoch begun before (``rng_epoch_start`` set) replays the shuffle it drew: mid-epoch (a checkpoint, or a
+    ``fit`` stopped by an exception) with the RNG as it is now restored after the replay; at its first batch, from
+    the epoch's own RNG state, as nothing of it was trained (a loader may draw its seed at the first batch).
     """
     state = trainer.loop_state
     resume_at, resume_rng = state.batch_in_epoch, None
@@ -196,7 +196,7 @@ def _start_epoch(trainer, loader: Iterable) -> tuple[Any, int]:
         state.rng_epoch_start = checkpoint.rng_state()
         resume_at = state.batch_in_epoch = 0
     else:
-        resume_rng = checkpoint.rng_state()
+        resume_rng = checkpoint.rng_state() if resume_at else None
         checkpoint.set_rng_state(state.rng_epoch_start)
     try:
         sampler = getattr(loader, "sampler", None)
@@ -222,7 +222,9 @@ class _Window:
     """
 
     def __init__(self, trainer):
-        self.trainer, self.start, self.rng = trainer, None, None
+        # A window opened by hand before fit is dropped too: it began here, as far as this epoch's batches go.
+        self.trainer, self.rng = trainer, None
+        self.start = trainer.loop_state.batch_in_epoch if trainer.engine.micro else None
 
     def before_batch(self) -> None:
         """Before the loader is read: a window opens with the next batch unless one is open."""
@@ -312,6 +314,10 @@ def _train_batches(trainer, pull, window: _Window, flags: contextlib.ExitStack, 
         if (batch := pull()) is _END:
             break
         if batch_size(batch) == 0:  # nothing to train on (a collate that filters samples): counted as read
+            if trainer.distributed:  # the other ranks would all-reduce a backward this one does not run
+                raise ValueError(f"batch {state.batch_in_epoch + 1} of epoch {state.epoch + 1} is empty (size 0) on "
+                                 f"rank {_dist.rank()}: under several processes every rank trains each micro-batch, "
+                                 "as their gradients are all-reduced together; drop empty batches in the loader")
             state.batch_in_epoch += 1
             totals.empty += 1
             bar.update(1)
@@ -395,14 +401,10 @@ class _EpochTotals:
         return {k: v for k, v in metrics.items() if v is not None}
 
     def add(self, result, batch: Any) -> None:
-        loss = result._loss
-        if isinstance(loss, torch.Tensor):
-            finite = torch.isfinite(loss)
-            self.loss_sum += torch.where(finite, loss, 0.0)
-            self.finite += finite
-        elif math.isfinite(loss):  # read on the host already (a callback read result.loss)
-            self.loss_sum += loss
-            self.finite += 1
+        loss = result._loss  # still on the device: the callbacks, which may read it, run after this
+        finite = torch.isfinite(loss)
+        self.loss_sum += torch.where(finite, loss, 0.0)
+        self.finite += finite
         self.count += 1
         self.samples += batch_size(batch) or 0
 

@@ -192,7 +192,8 @@ class Trainer:
         With a fused optimizer it never waits for the step's verdict, booked once it reaches the host (or by ``stats``).
 
         Raises:
-            ValueError: the batch is empty, or the loss is not a scalar (raised before backward; nothing is changed).
+            ValueError: the batch is empty, or the loss is not a scalar or does not require grad (raised before
+                backward; nothing is changed).
             TypeError: the batch is not ``(inputs, targets)`` and neither ``forward_batch`` nor ``compute_loss``
                 is overridden (nothing is changed, an open accumulation window included).
         """
@@ -257,7 +258,8 @@ class Trainer:
         """Train until ``epochs`` epochs (counting restored ones) or ``max_steps`` optimizer steps.
 
         The model is put in train mode; an incomplete accumulation window at an epoch's end is stepped
-        (see :meth:`flush`). A step that fails or is interrupted discards its window; the next ``fit`` replays it.
+        (see :meth:`flush`); empty batches are passed over. An exception that stops ``fit`` discards the open
+        window; the next ``fit`` replays it.
 
         Args:
             train_loader: an iterable of batches, usually a DataLoader.

@@ -765,7 +765,7 @@ def test_a_hand_damaged_state_is_refused_before_anything_changes(tmp_path, damag
     assert all(torch.equal(v, other.model.state_dict()[k]) for k, v in before.items()) and other.global_step == 0
 
 
-def test_save_to_a_directory_or_an_empty_path_is_refused_naming_a_file_path(tmp_path, monkeypatch):
+def test_save_to_a_directory_or_an_empty_path_is_refused_naming_a_file_path(tmp_path):
     trainer = _trainer()
     for path in (tmp_path, ""):
         with pytest.raises(IsADirectoryError, match="names a directory; give a file path, such as"):
@@ -794,3 +794,22 @@ def test_sparse_adam_state_into_a_fresh_optimizer_is_refused_before_anything_cha
     fresh.step(data[0])  # as the message says: a step, then the load
     fresh.load(tmp_path / "sparse.pt")
     assert all(torch.equal(p, q) for p, q in zip(fresh_model.parameters(), model.parameters()))
+
+
+def test_an_activation_checkpointed_model_round_trips_its_optimizer_state(tmp_path):
+    """Its parameters' names carry checkpoint_wrapper's part, which torch.distributed.checkpoint's state drops."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(checkpoint_wrapper(nn.Linear(16, 32)), nn.ReLU(), nn.Linear(32, 4))
+        return model, Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "fp32", device="cpu")
+
+    model, trainer = make()
+    trainer.step((torch.randn(8, 16), torch.randint(0, 4, (8,))))
+    trainer.save(tmp_path / "c.pt")
+    model2, resumed = make()
+    resumed.load(tmp_path / "c.pt")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    assert torch.equal(resumed.optimizer.state[model2[0]._checkpoint_wrapped_module.weight]["exp_avg"],
+                       trainer.optimizer.state[model[0]._checkpoint_wrapped_module.weight]["exp_avg"])
