@@ -139,10 +139,11 @@ def _rng_problem(state: Any) -> str | None:
     """Why :func:`set_rng_state` would fail on ``state`` (tried on fresh generators), or None."""
     try:
         _set_cpu_rngs(state, torch.Generator(), random.Random(), None if np is None else np.random.RandomState())
-        cuda = state.get("cuda", [])
-        if not isinstance(cuda, (list, tuple)) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
-                                                            and t.dim() == 1 for t in cuda):
-            return "its CUDA states are not a list of byte tensors"
+        for key in ("cuda", "loader"):  # the loader's: its own generators' (an epoch's start only)
+            states = state.get(key, [])
+            if not isinstance(states, (list, tuple)) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                                                and t.dim() == 1 for t in states):
+                return f"its {'CUDA' if key == 'cuda' else 'loader'} states are not a list of byte tensors"
     except Exception as e:  # whatever the generators refuse: a missing key, a wrong type or size
         return f"{type(e).__name__}: {str(e)[:120]}"
     return None

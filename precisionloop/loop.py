@@ -192,12 +192,13 @@ def _start_epoch(trainer, loader: Iterable) -> tuple[Any, int]:
     state = trainer.loop_state
     resume_at, resume_rng = state.batch_in_epoch, None
     if state.rng_epoch_start is None:
-        # The sampler and the DataLoader draw their seeds from this state when the iterator is made.
-        state.rng_epoch_start = checkpoint.rng_state()
+        # The sampler and the DataLoader draw their seeds from these states when the iterator is made.
+        state.rng_epoch_start = {**checkpoint.rng_state(), "loader": [g.get_state() for g in _generators_of(loader)]}
         resume_at = state.batch_in_epoch = 0
     else:
         resume_rng = checkpoint.rng_state() if resume_at else None
         checkpoint.set_rng_state(state.rng_epoch_start)
+        _set_generators(loader, state.rng_epoch_start.get("loader"))
     try:
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
@@ -211,6 +212,30 @@ def _start_epoch(trainer, loader: Iterable) -> tuple[Any, int]:
         if resume_rng is not None:
             checkpoint.set_rng_state(resume_rng)
     return iterator, resume_at
+
+
+def _generators_of(loader: Iterable) -> list[torch.Generator]:
+    """The generators of its own a loader shuffles with (``DataLoader(generator=...)``, its sampler's), each once."""
+    found: list[torch.Generator] = []
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+def _set_generators(loader: Iterable, states: list | None) -> None:
+    """Put a loader's own generators back as the epoch began (an older checkpoint recorded none)."""
+    generators = _generators_of(loader)
+    if states is None or len(states) != len(generators):
+        if states is not None or generators:
+            log.warning("the train_loader shuffles with %d generators of its own, and the epoch began with %s: its "
+                        "order is drawn anew, not replayed", len(generators), "none recorded" if states is None
+                        else len(states))
+        return
+    for generator, saved in zip(generators, states):
+        generator.set_state(saved)
 
 
 class _Window:

@@ -752,7 +752,9 @@ def test_8bit_optimizer_states_are_refused_at_save_and_no_file_is_written(tmp_pa
     (lambda s: s["scheduler"].update(last_epoch="3"), r"scheduler\['last_epoch'\] is '3', where this one has"),
     (lambda s: s.update(scheduler={"foo": 1}), r"'scheduler' is \['foo'\], not a state with"),
     (lambda s: s["optimizer"]["state"].update({"nope.weight": {}}), r"state for nope.weight, which the model has no"),
-], ids=["negative-counter", "scheduler-value-kind", "unrelated-scheduler-state", "unknown-parameter-state"])
+    (lambda s: s["rng_epoch_start"].update(loader=["seed"]), r"'rng_epoch_start' does not restore \(its loader states"),
+], ids=["negative-counter", "scheduler-value-kind", "unrelated-scheduler-state", "unknown-parameter-state",
+        "loader-generator-state"])
 def test_a_hand_damaged_state_is_refused_before_anything_changes(tmp_path, damage, match):
     trainer = make_trainer("fp32")
     trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=3, progress=False)

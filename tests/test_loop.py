@@ -830,3 +830,34 @@ def test_an_empty_batch_under_several_processes_is_refused_naming_the_rank(monke
     monkeypatch.setattr(dist, "rank", lambda: 1)
     with pytest.raises(ValueError, match=r"batch 2 of epoch 1 is empty \(size 0\) on rank 1: under several processes"):
         trainer.fit([batches(1)[0], empty], progress=False)
+
+
+@pytest.mark.parametrize("how", ["same-process", "checkpoint"])
+def test_a_loader_with_its_own_generator_resumes_its_shuffle(tmp_path, how):
+    """DataLoader(generator=...) draws each epoch's order from that generator, not the global RNG: an epoch
+    resumed mid-way puts it back as the epoch began, so its order, and the next epoch's, are the ones trained."""
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, (x[:, 0] > 0).long())
+
+    def run(stop_at=None):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+        loader = lambda: DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7))
+        if stop_at is None:
+            trainer.fit(loader(), epochs=3, progress=False)
+            return model
+        live = loader()
+        trainer.fit(live, epochs=3, max_steps=stop_at, progress=False)  # stops in epoch 2
+        if how == "same-process":
+            trainer.fit(live, epochs=3, progress=False)
+            return model
+        trainer.save(tmp_path / "c.pt")
+        torch.manual_seed(0)
+        fresh_model = nn.Linear(4, 2)
+        fresh = Trainer(fresh_model, torch.optim.SGD(fresh_model.parameters(), lr=0.1), "fp32", device="cpu")
+        fresh.load(tmp_path / "c.pt")
+        fresh.fit(loader(), epochs=3, progress=False)
+        return fresh_model
+
+    assert same_models(run(), run(stop_at=11))
