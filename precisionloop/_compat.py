@@ -179,17 +179,6 @@ def is_batch_norm(module: nn.Module) -> bool:
     return isinstance(module, _NormBase)
 
 
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name as torch.distributed.checkpoint's state dicts give it, without the parts that torch's
-    wrappers (activation checkpointing, ``torch.compile``, FSDP1) put in ``named_parameters``."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
-
-
 def dense_values(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's stored values: itself when dense, its non-zero values when sparse, its local shard under FSDP2."""
     g = grad._values() if grad.is_sparse else grad

@@ -469,7 +469,7 @@ def _optimizer_state_problems(model: nn.Module, optimizer: torch.optim.Optimizer
     """Per-parameter state tensors whose shapes could not step the parameter, and hyperparameters of another kind.
     A tensor is compared with the live state where there is one; else, for torch's own optimizers, it must broadcast
     to its parameter (Adafactor keeps a row and a column); others may keep state of any shape."""
-    params = {_compat.canonical_name(n): p for n, p in _dist.unwrap(model).named_parameters()}
+    params = _parameters_by_name(model)
     builtin = type(optimizer).__module__.startswith("torch.optim")
     problems = []
     for name, entries in saved["state"].items():
@@ -505,6 +505,12 @@ def _entries_problems(what: str, saved: Any, live: dict) -> list[str]:
             if k in saved and not _same_kind(saved[k], v)]
 
 
+def _parameters_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters under their ``state_dict`` names, as torch.distributed.checkpoint writes them: without the parts
+    torch's wrappers (activation checkpointing) put in ``named_parameters``."""
+    return {k: v for k, v in _dist.unwrap(model).state_dict(keep_vars=True).items() if isinstance(v, nn.Parameter)}
+
+
 def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
     return len(shape) == len(to) and all(a in (b, 1) for a, b in zip(shape, to))
 
@@ -534,7 +540,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: 
     options = StateDictOptions(full_state_dict=full, cpu_offload=full)
     if optimizer.state:
         return _unwrap_tensor_subclasses(get_state_dict(model, optimizer, options=options))
-    names = {id(p): _compat.canonical_name(n) for n, p in _dist.unwrap(model).named_parameters()}
+    names: dict[int, str] = {}
+    for name, p in _parameters_by_name(model).items():
+        names.setdefault(id(p), name)  # a tied parameter by its first name
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
     return _unwrap_tensor_subclasses(get_model_state_dict(model, options=options)), {"state": {}, "param_groups": groups}
