@@ -15,7 +15,7 @@ import json
 import torch
 
 from precisionloop import BF16Policy, Trainer
-from precisionloop.fp32_modules import entries_from_text
+from precisionloop.keep_fp32 import entries_from_text
 from precisionloop.measure import Run, format_memory, format_ratio, format_time, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _compat
 from . import distributed as _dist
-from . import fp32_modules
+from . import keep_fp32 as fp32_modules
 from .policy import PrecisionPolicy
 from .precisions import get_policy
 from .prepare import compile_mode

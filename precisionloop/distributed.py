@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from . import _compat, fp32_modules
+from . import _compat
+from . import keep_fp32 as fp32_modules
 from .guard import FiniteGuard, GradientGuard, ScalerGuard
 from .policy import PrecisionPolicy
 

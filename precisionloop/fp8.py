@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import _compat
-from . import fp32_modules
+from . import keep_fp32 as fp32_modules
 from .policy import BF16Policy, refuse_fp8_layers
 
 log = logging.getLogger(__name__)

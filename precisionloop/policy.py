@@ -12,7 +12,8 @@ from typing import Callable, ClassVar, Iterator
 import torch
 from torch import nn
 
-from . import _compat, fp32_modules
+from . import _compat
+from . import keep_fp32 as fp32_modules
 from .checks import check_master_weights, check_real
 from .devices import check_device_support
 from .guard import FiniteGuard, GradientGuard, ScalerGuard

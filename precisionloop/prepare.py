@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import _compat, fp32_modules
+from . import _compat
+from . import keep_fp32 as fp32_modules
 from . import distributed as _dist
 from .policy import PrecisionPolicy
 

@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from . import checkpoint, fp32_modules, fp8, measure
+from . import checkpoint, fp8, measure
+from . import keep_fp32 as fp32_modules
 from .batches import to_device
 from .devices import resolve_device
 from .engine import StepEngine

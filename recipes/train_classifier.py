@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, random_split
 from torchmetrics.classification import MulticlassAccuracy
 
 from precisionloop import Trainer, get_policy
-from precisionloop.fp32_modules import entries_from_text
+from precisionloop.keep_fp32 import entries_from_text
 from precisionloop.recipes.data import TORCHVISION_DATASETS, image_dataset
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from precisionloop import BF16Policy, FP8Policy, Trainer, get_policy
 from precisionloop import fp8 as fp8_module
-from precisionloop.fp32_modules import is_kept
+from precisionloop.keep_fp32 import is_kept
 
 pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'precisionloop[fp8]')")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402

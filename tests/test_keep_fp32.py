@@ -19,7 +19,7 @@ from torch import nn
 from conftest import B, ProbeNorm, stochastic_adamw
 
 from precisionloop import BF16Policy, FP16Policy, Trainer, get_policy
-from precisionloop.fp32_modules import is_kept, keep_fp32_, select_modules, validate_keep_fp32
+from precisionloop.keep_fp32 import is_kept, keep_fp32_, select_modules, validate_keep_fp32
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -598,7 +598,7 @@ def test_compiled_model_matches_eager_without_graph_breaks(backend):
 
 
 def test_modules_kept_by_an_earlier_policy_are_released():
-    from precisionloop.fp32_modules import is_kept
+    from precisionloop.keep_fp32 import is_kept
 
     model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
     Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), BF16Policy(keep_fp32=(nn.LayerNorm,)), device="cpu")

@@ -360,7 +360,7 @@ def test_train_classifier_runs_offline_and_resumes(tmp_path, capsys):
 def test_train_classifier_keeps_named_modules_in_fp32(tmp_path, capsys, monkeypatch):
     import torch
 
-    from precisionloop.fp32_modules import is_kept
+    from precisionloop.keep_fp32 import is_kept
 
     script = _load_script("train_classifier")
     made = []
