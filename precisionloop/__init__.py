@@ -1,29 +1,13 @@
-"""precisionloop: a PyTorch training step around a precision policy (fp32/TF32, bf16, fp16 with loss scaling)."""
+"""precisionloop: a PyTorch training loop around a precision policy (fp32/TF32, bf16, fp16 with loss scaling, fp8)."""
 
-from .tuning import AutotuneResult, Candidate, autotune
-from .batches import normalize_uint8
 from .fp8 import FP8Policy
+from .loop import Checkpoints
 from .memory import MemoryBreakdown, memory_breakdown
 from .policy import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy
 from .precisions import get_policy
-from .trainer import StepResult, Trainer, TrainStats
+from .step import StepResult, TrainStats
+from .trainer import Trainer
 
-__all__ = [
-    "PrecisionPolicy",
-    "FP32Policy",
-    "BF16Policy",
-    "BF16PurePolicy",
-    "FP16Policy",
-    "FP8Policy",
-    "get_policy",
-    "Trainer",
-    "StepResult",
-    "TrainStats",
-    "autotune",
-    "Candidate",
-    "AutotuneResult",
-    "memory_breakdown",
-    "MemoryBreakdown",
-    "normalize_uint8",
-]
-__version__ = "0.2.0"
+__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "BF16PurePolicy", "FP16Policy", "FP8Policy", "get_policy",
+           "Trainer", "StepResult", "TrainStats", "Checkpoints", "memory_breakdown", "MemoryBreakdown"]
+__version__ = "1.0.0"

@@ -10,91 +10,61 @@ from torch import nn
 
 
 def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """The scaler's inf/NaN verdict from its last ``unscale_(optimizer)``, as one device tensor (no host sync)."""
+    """The scaler's inf/NaN flag from its last ``unscale_(optimizer)``, as one device tensor (no host sync)."""
     found = list(scaler._found_inf_per_device(optimizer).values())
     return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
 
 
 def scaler_scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """The current loss scale as a device tensor; ``get_scale()`` would sync the host."""
+    """The loss scale as a device tensor; ``get_scale()`` would sync the host."""
     return scaler._get_scale_async()
 
 
 def forget_unscale(scaler: torch.amp.GradScaler) -> None:
-    """Forget an ``unscale_`` whose ``step``/``update`` never came (an error in between), so the next step can unscale."""
+    """Forget an ``unscale_`` whose ``step``/``update`` never came (an error in between)."""
     scaler._per_optimizer_states.clear()
 
 
-def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Sets ``found_inf`` (fp32, one element) to 1 if any gradient, all on one device, holds an inf or NaN.
+# GradScaler's fused check takes no complex gradient; its CUDA kernel takes no bf16 and counts finite fp64 values
+# beyond fp32's range as inf.
+_FUSED_CHECK_DTYPES = {"cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+                       "cuda": (torch.float16, torch.float32)}
+FUSED_CHECK_MAX_ELEMENTS = 2**25
+"""The most CUDA gradient values one fused check takes: its write-back doubles the check's memory traffic, which a
+large GPU-bound step pays for (ResNet18's 11.7M values gain from one launch, a Transformer's 237M lose)."""
 
-    By GradScaler's fused check (one launch, each value written back as it was) on the CPU, and on CUDA for fp16
-    and fp32 groups of at most :data:`FUSED_CHECK_MAX_ELEMENTS` values; else (bf16, fp64 or larger groups on CUDA,
-    complex gradients, other devices) by the inf-norms, which only read.
+
+def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Set ``found_inf`` (fp32, one element) to 1 if any gradient, all on one device and of one dtype, is not finite.
+
+    GradScaler's fused check with a scale of one (one launch, each value written back as it was) where it applies,
+    else the read-only foreach inf-norms.
     """
-    grads = [g for g in grads if g.numel()]  # the inf-norm of an empty tensor is undefined; it holds no inf anyway
+    grads = [g for g in grads if g.numel()]
     if not grads:
         return
-    kind = grads[0].device.type
-    fused = (kind == "cpu" and all(g.dtype in _FUSED_CHECK_DTYPES for g in grads)) or (
-        kind == "cuda" and all(g.dtype in _FUSED_CHECK_CUDA_DTYPES for g in grads)
-        and sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS)
-    (fused_non_finite_ if fused else norms_non_finite_)(grads, found_inf)
+    device = grads[0].device.type
+    if grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ()) and (
+            device == "cpu" or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS):
+        one = torch.ones((), dtype=torch.float32, device=found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+    else:
+        found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
+        torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
 
 
-_FUSED_CHECK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # it takes no complex gradient
-# Its CUDA kernel takes no bf16, and counts finite fp64 values beyond fp32's range (1e308) as inf.
-_FUSED_CHECK_CUDA_DTYPES = (torch.float16, torch.float32)
-
-FUSED_CHECK_MAX_ELEMENTS = 2**25
-"""The most values in one group of CUDA gradients that the fused check takes. Its one launch replaces the norms' host
-work (a norm and a stacked scalar per gradient), which bounds small steps; its write-back doubles the check's memory
-traffic, which a large step that the GPU bounds pays for (measured: ResNet18's 11.7M values gain, a Transformer's
-237M lose)."""
-
-
-def norms_non_finite_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """``non_finite_any_`` from torch's foreach inf-norms: few launches for any number of tensors, and read only."""
-    found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
-    torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
-
-
-def fused_non_finite_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """``non_finite_any_`` by GradScaler's fused check with a scale of one, which writes each value back as it was.
-
-    On the CPU several times faster than the inf-norms; on CUDA it reads and writes every gradient, twice their bytes.
-    """
-    one = torch.ones((), dtype=torch.float32, device=found_inf.device)  # fp32 whatever the default: it takes no other
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-
-
-def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> dict:
-    """``{(device, dtype): ([tensors], [])}``: torch's own grouping for foreach kernels, done in C++."""
-    return torch._C._group_tensors_by_device_and_dtype([tensors], False)
-
-
-def compiled_original(module: nn.Module) -> nn.Module | None:
-    """The module a ``torch.compile(module)`` wrapper (dynamo's ``OptimizedModule``) holds; None for any other module.
-
-    Its parameter names carry an ``_orig_mod.`` prefix that torch.distributed.checkpoint's state dicts drop.
-    Looked up without importing dynamo: a model was compiled only if dynamo is loaded already.
-    """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
-        return module._orig_mod
-    return None
+def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by (device, dtype), torch's own grouping for foreach kernels, done in C++."""
+    return [lists[0] for lists, _ in torch._C._group_tensors_by_device_and_dtype([tensors], False).values()]
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """True for optimizers whose ``step`` takes the inf verdict as a tensor (torch's fused ones)."""
+    """True for optimizers whose ``step`` takes the inf/NaN flag as a tensor (torch's fused ones)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def step_with_verdict(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """Step a fused optimizer with ``found_inf`` as its verdict: it skips the update on the device when set.
-
-    GradScaler's contract with fused optimizers: ``step`` reads their ``grad_scale`` and ``found_inf`` attributes.
-    """
+def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """Step a fused optimizer that skips the update on the device when ``found_inf`` is 1 (GradScaler's contract)."""
     optimizer.grad_scale, optimizer.found_inf = None, found_inf
     try:
         optimizer.step()
@@ -107,8 +77,7 @@ def use_fused_implementation(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         group["fused"], group["foreach"] = True, False
     optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
-    # What the constructors set for fused=True: the GradScaler contract, and SGD's device/dtype check.
-    optimizer._step_supports_amp_scaling = True
+    optimizer._step_supports_amp_scaling = True  # what the constructors set for fused=True
     if isinstance(optimizer, torch.optim.SGD):
         optimizer._need_device_dtype_check_for_fused = True
 
@@ -116,11 +85,6 @@ def use_fused_implementation(optimizer: torch.optim.Optimizer) -> None:
 def foreach_mul_(tensors: list[torch.Tensor], factor: float) -> None:
     """Multiply every tensor in place, in as few kernels as torch can."""
     torch._foreach_mul_(tensors, factor)
-
-
-def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
-    """Divide every tensor in place, in as few kernels as torch can."""
-    torch._foreach_div_(tensors, divisor)
 
 
 def compile_modes() -> list[str]:
@@ -138,30 +102,32 @@ def compile_error_types() -> tuple[type[BaseException], ...]:
 
 
 class compiled_backward_like_eager:
-    """Inside the block, a compiled backward runs without autocast, as the step's eager backward does.
+    """Inside the block, a compiled backward runs without autocast, as the eager one does.
 
     torch's default (``backward_pass_autocast="same_as_forward"``) traces it under the forward's autocast, recasting
-    to bf16/fp16 the backward of regions that ran with autocast off (``keep_fp32`` modules). Older torch: left alone.
+    to bf16/fp16 the backward of regions that ran with autocast off (``keep_fp32`` modules). Older torch: no-op.
     """
-
-    __slots__ = ("_saved",)
 
     def __enter__(self) -> None:
         import torch._functorch.config as config
 
-        if hasattr(self, "_saved"):  # entered twice: the inner exit would leave the setting "off" for good
-            raise RuntimeError("compiled_backward_like_eager() is already entered; use a new one")
         self._saved = getattr(config, "backward_pass_autocast", None)
         if self._saved is not None:
             config.backward_pass_autocast = "off"
 
     def __exit__(self, *exc) -> None:
-        saved = self._saved
-        del self._saved
-        if saved is not None:
+        if self._saved is not None:
             import torch._functorch.config as config
 
-            config.backward_pass_autocast = saved
+            config.backward_pass_autocast = self._saved
+
+
+def compiled_original(module: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper (dynamo's ``OptimizedModule``), else ``module`` itself."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # compiled only if dynamo is loaded already
+    if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
+        return module._orig_mod
+    return module
 
 
 def cpu_bf16_native() -> bool:
@@ -180,13 +146,13 @@ def is_batch_norm(module: nn.Module) -> bool:
 
 
 def dense_values(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient's stored values: itself when dense, its non-zero values when sparse, its local shard under FSDP2."""
+    """A gradient's stored values: itself when dense, its values when sparse, its local shard under FSDP2."""
     g = grad._values() if grad.is_sparse else grad
     return g.to_local() if hasattr(g, "to_local") else g
 
 
 def stacklevel_outside_package() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside precisionloop (``sys._getframe``, CPython's)."""
+    """The ``stacklevel`` that points a warning at the first frame outside precisionloop (``sys._getframe``)."""
     package, frame, level = os.path.dirname(os.path.abspath(__file__)) + os.sep, sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1

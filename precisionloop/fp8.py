@@ -16,7 +16,7 @@ from torch import nn
 
 from . import _compat
 from . import keep_fp32 as fp32_modules
-from .policy import BF16Policy, refuse_fp8_layers
+from .policy import BF16Policy
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class FP8Policy(BF16Policy):
         if both:
             raise ValueError(f"FP8Policy layers {', '.join(both)} are also kept in fp32 by keep_fp32; name each in one")
         # Refused whoever converted them: an earlier policy's recipe, emulation and layers would carry on unseen.
-        refuse_fp8_layers(model)
+        super().check_model(model, device)
         if not self.planned_layers(model):
             why = ("layers=() names none" if self.layers is not None else
                    "no nn.Linear but the first and the last has both dimensions a multiple of 16"

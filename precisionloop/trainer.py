@@ -1,13 +1,10 @@
-"""The Trainer: the public front end that checks arguments, assembles the parts and delegates.
-
-The step lives in :mod:`precisionloop.engine`, the loop in :mod:`precisionloop.loop`, the state
-in :mod:`precisionloop.checkpoint` and the measuring in :mod:`precisionloop.tuning`.
-"""
+"""The Trainer: checks its arguments, readies the model under the policy, and hands steps, epochs and checkpoints to
+:mod:`~precisionloop.step`, :mod:`~precisionloop.loop` and :mod:`~precisionloop.checkpoint`."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import functools
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -15,70 +12,44 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import batches, checkpoint, checks, loop
+from . import _compat, checkpoint, loop
 from . import distributed as _dist
-from .devices import parse_device, resolve_device
-from .engine import StepEngine
-from .guard import fuse_default_optimizer
+from . import keep_fp32 as fp32_modules
+from .loop import Checkpoints
 from .memory import MemoryBreakdown, memory_breakdown
-from .policy import PrecisionPolicy
-from .precisions import get_policy, is_auto
-from .prepare import compile_mode, prepare_model
-from .results import StepResult, TrainStats
-from .tuning import autotune_trainer
+from .policy import PrecisionPolicy, resolve_device
+from .precisions import get_policy
+from .step import StepEngine, StepResult, TrainStats, fuse_default_optimizer, make_guard
 
-__all__ = ["Trainer", "StepResult", "TrainStats"]
-
-log = logging.getLogger(__name__)
-
-# Options that were removed, and what to use instead.
-_REMOVED = {
-    "graph_optimizer_step": "it was removed in 0.2.0; pass compile=True, which on CUDA compiles the forward and "
-                            "backward with CUDA graphs (torch.compile mode 'reduce-overhead')",
-}
-
-
-def _forwarded(owner: str, name: str, doc: str, settable: bool = True) -> property:
-    """A Trainer property that reads (and sets) ``self.<owner>.<name>``."""
-    def get(self):
-        return getattr(getattr(self, owner), name)
-
-    def set_(self, value) -> None:
-        setattr(getattr(self, owner), name, value)
-
-    return property(get, set_ if settable else None, doc=doc)
+__all__ = ["Trainer"]
 
 
 class Trainer:
     """Trains a model under a precision policy: fp32 master weights, or bf16 ones under ``"bf16-pure"``.
 
     Args:
-        model: the model; it is moved to ``device`` and passed through ``policy.prepare_model``.
-        optimizer: an optimizer over the model's trainable parameters.
-        precision: a spec for :func:`precisionloop.get_policy` or a policy instance.
-        device: where to train; CUDA when available, else the CPU.
+        model: the model; it is moved to ``device`` and readied by the policy (layout, ``keep_fp32``).
+        optimizer: an optimizer over exactly the model's trainable parameters. On CUDA a torch SGD, Adam or AdamW
+            at its default implementation runs its fused one (same algorithm, no host sync per step); build it with
+            ``fused=False`` to keep it as it is.
+        precision: a spec for :func:`precisionloop.get_policy` (``"bf16"``, ``"fp16"``, ...) or a policy instance.
+        device: where to train; the current CUDA device when there is one, else the CPU.
         loss_fn: ``loss_fn(outputs, targets)``; ``torch.nn.functional.cross_entropy`` by default.
-        scheduler: an LR scheduler built on ``optimizer``; ``scheduler_interval`` says when it steps.
-        scheduler_interval: ``"step"``: after every optimizer step really taken (skipped ones do not count);
-            ``"epoch"``: at the end of each epoch of ``fit`` (a loop of your own steps it itself). Required with a
-            scheduler; a ``ReduceLROnPlateau`` is always stepped by ``fit`` at each epoch's end with ``val_loss``.
+        scheduler: an LR scheduler built on ``optimizer``.
+        scheduler_interval: ``"step"``: after every optimizer step taken (skipped ones do not count); ``"epoch"``: at
+            the end of each epoch of ``fit``. Required with a scheduler, but a ``ReduceLROnPlateau``, which ``fit``
+            steps with ``val_loss`` at each epoch's end.
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the unscaled gradients to this total norm.
         max_consecutive_skips: raise after this many skipped steps in a row (on CUDA up to two steps late).
-        compile: ``torch.compile`` the forward and backward: ``True`` is ``"reduce-overhead"`` (CUDA graphs)
-            on CUDA and ``"default"`` elsewhere; a string names the mode. The optimizer step stays eager.
-        distributed: under torchrun, ``"auto"`` (several processes) and ``"ddp"`` wrap the model in DDP,
-            ``"fsdp"`` shards it with FSDP2, ``None`` never distributes; a model you wrapped is used as it is.
-        fuse_optimizer: on CUDA, a torch ``SGD``, ``Adam`` or ``AdamW`` at its default implementation runs
-            its fused one, which skips on the device without a host sync; ``False`` keeps it as given.
-        autotune: with ``precision="auto"``, the first ``step`` measures candidates with
-            :func:`precisionloop.autotune` on copies of the model and trains with the fastest sound one.
-        input_transform: run on the device on the inputs (the whole batch if ``forward_batch`` or ``compute_loss`` is
-            overridden) in ``step``, ``fit``, ``evaluate``; for uint8 images :func:`precisionloop.normalize_uint8`.
+        compile: ``torch.compile`` the forward and backward: ``True`` is ``"reduce-overhead"`` (CUDA graphs) on CUDA,
+            ``"default"`` elsewhere; a string names the mode. The optimizer step stays eager.
+        distributed: under torchrun, ``"auto"`` (several processes) and ``"ddp"`` wrap the model in DDP, ``"fsdp"``
+            shards it with FSDP2, ``None`` never distributes; a model you wrapped is used as it is.
 
     Raises:
-        ValueError: bad arguments, an optimizer that does not hold exactly the model's trainable parameters,
-            weights or an optimizer the policy refuses (``check_weights``), or a device that cannot run it.
+        ValueError: an optimizer that does not hold exactly the model's trainable parameters, a scheduler without
+            ``scheduler_interval``, weights the policy refuses, or a device that cannot run it.
 
     Example:
         >>> import torch
@@ -91,175 +62,134 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 precision: str | int | torch.dtype | PrecisionPolicy = "bf16", *,
-                 device: str | torch.device | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                 scheduler: Any = None, scheduler_interval: str | None = None, grad_accum_steps: int = 1,
-                 max_grad_norm: float | None = None, max_consecutive_skips: int = 20, compile: bool | str = False,
-                 distributed: str | None = "auto", autotune: bool = False, fuse_optimizer: bool = True,
-                 input_transform: Callable[[Any], Any] | None = None, **removed: Any):
-        checks.refuse_removed("Trainer", removed, _REMOVED)
-        checks.check_trainer_arguments(model, optimizer, loss_fn, scheduler, scheduler_interval,
-                                       grad_accum_steps=grad_accum_steps, input_transform=input_transform,
-                                       max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips,
-                                       autotune=autotune, fuse_optimizer=fuse_optimizer)
-        if autotune and not is_auto(precision):
-            raise ValueError(f"autotune=True chooses the precision itself: pass precision='auto', not {precision!r}")
-        self.distributed, device = _dist.resolve(distributed, None if device is None else parse_device(device))
-        if autotune and self.distributed:
-            raise ValueError("autotune=True runs on one process: tune once with precisionloop.autotune and pass "
-                             "the chosen policy to the distributed Trainer")
+                 precision: str | torch.dtype | PrecisionPolicy = "bf16", *, device: str | torch.device | None = None,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, scheduler: Any = None,
+                 scheduler_interval: str | None = None, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
+                 max_consecutive_skips: int = 20, compile: bool | str = False, distributed: str | None = "auto"):
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        _check_arguments(model, optimizer, loss_fn, scheduler, "epoch" if plateau else scheduler_interval,
+                         grad_accum_steps)
+        self.distributed, device = _dist.resolve(distributed, device)
         self.device = resolve_device(device)
-        policy = get_policy(precision, self.device)
+        self.policy = policy = get_policy(precision, self.device)
         policy.check_model(model, self.device)
-        if self.distributed == "fsdp":
-            policy.check_sharding(model, self.device)
         policy.check_weights(model, optimizer)
-        checks.check_optimizer_params(model, optimizer, self.device)
-        _dist.check_optimizer(optimizer, self.distributed)
-        mode = compile_mode(compile, self.device)
-        self.optimizer, self.scheduler, self.input_transform = optimizer, scheduler, input_transform
-        self.scheduler_interval = "epoch" if checks.is_plateau(scheduler) else scheduler_interval
+        self.compile_mode = _compile_mode(compile, self.device)
+        policy.check_compile(self.compile_mode, self.device.type)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.scheduler_interval = "epoch" if plateau else scheduler_interval
         self.loss_fn = loss_fn if loss_fn is not None else nn.functional.cross_entropy
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
-        self.loop_state = loop.LoopState()
-        self.model = model.to(self.device)
-        if fuse_optimizer and _dist.may_fuse(optimizer, self.distributed) and fuse_default_optimizer(optimizer, model):
-            log.info("%s runs its fused implementation, so a skipped step is decided on the device without a host "
-                     "sync (fuse_optimizer=False keeps it as given)", type(optimizer).__name__)
-        self.engine = StepEngine(self.model, optimizer, self.device, compute_loss=self.compute_loss,
-                                 scheduler=scheduler if self.scheduler_interval == "step" else None,
-                                 grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
-                                 max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
-        self._autotune_compile = compile if autotune else None  # the choice waits for the first batch
-        self._configure(policy, mode, prepare=not autotune)
-        if _dist.is_main():
-            log.info("Trainer on %s with %r%s", self.device, self.policy,
-                     f", {self.distributed} over {_dist.world_size()} processes" if self.distributed else "")
+        self.epoch = self.batch_in_epoch = 0  # completed epochs; micro-batches trained in the current one
+        self._rng_epoch_start: dict | None = None  # the RNG state the current epoch's shuffle was drawn from
+        self._takes_pairs = not (self._overrides("forward_batch") or self._overrides("compute_loss"))
+        self.model, self._input_format = self._prepare(model.to(self.device))
+        self._engine = StepEngine(self.model, optimizer, compute_loss=self.compute_loss,
+                                  scheduler=scheduler if self.scheduler_interval == "step" else None,
+                                  grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
+                                  max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
+        self._engine.guard = make_guard(policy.make_scaler(self.device.type), self.distributed, self.device.type)
+        self._engine.autocast = functools.partial(policy.autocast, self.device.type)
+        self._engine.compile_mode = self.compile_mode
+        self._engine.last_scale = self._engine.guard.scale_tensor()
 
-    def _configure(self, policy: PrecisionPolicy, mode: str | None, prepare: bool = True) -> None:
-        """Apply a policy and compile mode; fields change only once the policy has prepared the model.
-
-        So a policy that refuses the model or its device leaves the Trainer as it was.
-        """
-        self.engine.sync()  # the old guard's verdict is booked under it, before anything changes
-        model, input_format = self.model, torch.contiguous_format
-        guard = policy.make_guard(self.device.type)
-        if prepare:
-            policy.check_compile(mode, self.device.type)
-            policy.check_weights(model, self.optimizer)
-            model, input_format = prepare_model(model, policy, mode, self.distributed, self.device, self.optimizer)
-            guard = _dist.adapt_guard(guard, self.distributed, self.device.type)
-        self.model, self._input_format, self.policy, self.compile_mode = model, input_format, policy, mode
-        self.engine.configure(self.model, policy, guard, mode)
-
-    def _run_autotune(self, batch: Any) -> None:
-        result = autotune_trainer(self, batch, compile=self._autotune_compile not in (None, False))
-        self._autotune_compile = None
-        self._configure(result.policy, compile_mode(result.best.compile, self.device))
-        log.info("autotune: training with %s", result.best.label)
+    def _prepare(self, model: nn.Module) -> tuple[nn.Module, torch.memory_format]:
+        """The policy's layout and ``keep_fp32``, then compile in place (state-dict keys unchanged), then DDP/FSDP2."""
+        if self.distributed != "fsdp" or type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+            fuse_default_optimizer(self.optimizer, model)  # FSDP2's DTensors have no rule for fused SGD
+        if _dist.is_wrapped(model):  # the user chose how to distribute it; its kept modules still run in fp32
+            fp32_modules.keep_fp32_(_dist.unwrap(model), self.policy.keep_fp32)
+        else:
+            model = self.policy.prepare_model(model)
+        input_format = self.policy.memory_format(_dist.unwrap(model))
+        if self.compile_mode is not None:
+            _dist.unwrap(model).compile(mode=self.compile_mode)
+        if self.distributed and not _dist.is_wrapped(model):
+            if self.distributed == "fsdp":  # FSDP2 shards only contiguous parameters; the inputs still steer cuDNN
+                model = model.to(memory_format=torch.contiguous_format)
+            model = _dist.wrap(model, self.distributed, self.policy.compute_dtype, self.device, self.optimizer)
+        return model, input_format
 
     is_main = property(lambda self: _dist.is_main(), doc="True on rank 0 (or the only process): it reports and saves.")
+    scaler = property(lambda self: self._engine.guard.scaler, doc="The loss scaler, or ``None`` when there is none.")
+    global_step = property(lambda self: self._engine.global_step, doc="Optimizer steps taken or skipped.")
+    grad_accum_steps = property(lambda self: self._engine.grad_accum_steps, doc="Micro-batches per optimizer step.")
+    max_grad_norm = property(lambda self: self._engine.max_grad_norm, doc="The clipping norm, or None.")
 
     def __repr__(self) -> str:
         return f"Trainer(model={type(self.model).__name__}, device={self.device}, policy={self.policy!r})"
 
     def forward_batch(self, batch: Any) -> tuple[Any, Any]:
-        """Run the model on one batch and return ``(outputs, targets)``; override for other batch shapes."""
-        inputs, targets = batches.pair(batch)
-        try:
-            return self.model(inputs), targets
-        except RuntimeError as e:
-            if self.input_transform is None:
-                batches.note_uint8_inputs(e, inputs)
-            raise
+        """Run the model on one batch and return ``(outputs, targets)``; override it for other batch shapes."""
+        inputs, targets = batch
+        return self.model(inputs), targets
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch; runs under autocast. Override it for other losses or batch shapes."""
+        """The loss of one micro-batch, under autocast; override it for other losses, or to return a loss the model
+        computes itself."""
         return self.loss_fn(*self.forward_batch(batch))
 
-    def takes_pairs(self) -> bool:
-        """Whether batches are ``(inputs, targets)``: neither ``forward_batch`` nor ``compute_loss`` is overridden."""
-        return not (self.overrides("compute_loss") or self.overrides("forward_batch"))
-
-    def overrides(self, name: str) -> bool:
-        """Whether this Trainer's class overrides the method ``name`` (``"forward_batch"``, ``"compute_loss"``)."""
+    def _overrides(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(Trainer, name)
 
     def step(self, batch: Any) -> StepResult:
         """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.
 
-        It moves the batch to the device and enables grad, leaving train/eval mode and backend flags as they were.
-        With a fused optimizer it never waits for the step's verdict, booked once it reaches the host (or by ``stats``).
+        The batch is moved to the device; grad is enabled; train/eval mode and the backend flags are left as they
+        were. With a fused optimizer nothing waits for the step: its result is read when you read it.
 
         Raises:
-            ValueError: the batch is empty, or the loss is not a scalar or does not require grad (raised before
-                backward; nothing is changed).
-            TypeError: the batch is not ``(inputs, targets)`` and neither ``forward_batch`` nor ``compute_loss``
-                is overridden (nothing is changed, an open accumulation window included).
+            ValueError: the loss is not a scalar or does not require grad (before backward; nothing changed).
+            TypeError: the batch is not ``(inputs, targets)`` and neither ``forward_batch`` nor ``compute_loss`` is
+                overridden (nothing changed).
         """
-        if batches.batch_size(batch) == 0:
-            raise ValueError("the batch is empty (batch size 0): nothing to train on; nothing was changed")
-        if self.takes_pairs():
-            batches.check_pair(batch)  # refused here, not in the step (it drops the window)
-        if self._autotune_compile is not None:
-            self._run_autotune(self._on_device(batch))  # the candidates get what the model will
-        with self.policy.backend_flags():
-            return self.engine.step(self._on_device(batch))
+        if self._takes_pairs and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(f"the default forward_batch expects a batch of (inputs, targets), got {type(batch).__name__}"
+                            "; override Trainer.forward_batch (or compute_loss) for other batch shapes; nothing was "
+                            "changed")
+        with self.policy.backend_flags(self.device.type):
+            return self._engine.step(self.to_device(batch))
 
     def flush(self) -> StepResult | None:
-        """Take the optimizer step for an open accumulation window, its gradients averaged; None if none is open.
+        """Take the optimizer step for an open accumulation, its gradients averaged; None if none is open.
 
-        The result's ``loss`` is NaN. As with ``step``, an exception discards the window.
+        The result's ``loss`` is NaN. As with ``step``, an exception discards the accumulation.
         """
-        with self.policy.backend_flags():
-            return self.engine.flush()
+        with self.policy.backend_flags(self.device.type):
+            return self._engine.flush()
 
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
-        """The training step's autocast and backend flags, for your own evaluation code; restored after the block."""
-        with self.policy.backend_flags(), self.policy.autocast(self.device.type):
+        """The training step's autocast and backend flags, for your own evaluation code."""
+        with self.policy.backend_flags(self.device.type), self.policy.autocast(self.device.type):
             yield
 
     @property
     def stats(self) -> TrainStats:
-        """Optimizer-step and loss-scale counters, brought up to date (this waits for the last step).
+        """Optimizer-step and loss-scale counters, up to date (this waits for the last step).
 
         Raises:
             RuntimeError: the last steps hit ``max_consecutive_skips``.
         """
-        self.engine.sync()
-        return self.engine.stats
-
-    scaler = property(lambda self: self.engine.guard.scaler, doc="The loss scaler, or ``None`` when the policy needs none.")
+        self._engine.sync()
+        return self._engine.stats
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Parameters, gradients, optimizer state and on CUDA the peak, in MB: :func:`precisionloop.memory_breakdown`."""
         return memory_breakdown(self)
 
-    global_step = _forwarded("engine", "global_step", "Optimizer steps taken or skipped.")
-    epoch = _forwarded("loop_state", "epoch", "Completed epochs.")
-    batch_in_epoch = _forwarded("loop_state", "batch_in_epoch", "Micro-batches consumed in the current epoch.")
-    grad_accum_steps = _forwarded("engine", "grad_accum_steps", "Micro-batches per optimizer step.", settable=False)
-    max_grad_norm = _forwarded("engine", "max_grad_norm", "The clipping norm, or None.", settable=False)
-    max_consecutive_skips = _forwarded("engine", "max_consecutive_skips", "Skips in a row that raise.", settable=False)
-
     def to_device(self, batch: Any) -> Any:
-        """Move every tensor in a (nested) batch to the device, 4-D float tensors in the model's layout."""
-        return batches.to_device(batch, self.device, self._input_format)
-
-    def _on_device(self, batch: Any) -> Any:  # what the model is given: on the device, through input_transform
-        return batches.on_device(batch, self.device, self._input_format, self.input_transform, self.takes_pairs())
+        """Every tensor in a (nested) batch moved to the device, 4-D float tensors in the model's layout."""
+        return loop.to_device(batch, self.device, self._input_format)
 
     def fit(self, train_loader: Iterable, epochs: int = 1, *, val_loader: Iterable | None = None,
             metrics: Mapping[str, Any] | None = None, max_steps: int | None = None, progress: bool = True,
-            callbacks: Sequence[Any] = (), checkpoint_dir: str | os.PathLike | None = None,
-            checkpoint_every: int | None = None, keep_last: int | None = None, log_every: int = 20,
-            underflow_every: int | None = None, loggers: Sequence[Any] = (), device_feed: bool = True) -> list[dict]:
-        """Train until ``epochs`` epochs (counting restored ones) or ``max_steps`` optimizer steps.
+            callbacks: Sequence[Any] = (), checkpoints: Checkpoints | None = None, log_every: int = 20,
+            underflow_every: int | None = None, loggers: Sequence[Any] = ()) -> list[dict]:
+        """Train until ``epochs`` epochs (restored ones included) or ``max_steps`` optimizer steps.
 
-        The model is put in train mode; an incomplete accumulation window at an epoch's end is stepped
-        (see :meth:`flush`); empty batches are passed over. An exception that stops ``fit`` discards the open
-        window; the next ``fit`` replays it.
+        The model is put in train mode; an accumulation left open at an epoch's end is stepped (see :meth:`flush`).
+        An exception that stops ``fit`` discards the open accumulation; the next ``fit`` trains it again.
 
         Args:
             train_loader: an iterable of batches, usually a DataLoader.
@@ -269,56 +199,44 @@ class Trainer:
             max_steps: stop after this many optimizer steps in total.
             progress: a tqdm bar per epoch, with the loss and the share of time spent waiting for input.
             callbacks: objects with ``on_step_end(trainer, result)`` and/or ``on_epoch_end(trainer, record)``.
-            checkpoint_dir: where periodic checkpoints ``step-NNNNNNNN.pt`` go.
-            checkpoint_every: save one every this many optimizer steps.
-            keep_last: keep only the newest this many periodic checkpoints.
-            log_every: write to the loggers every this many optimizer steps (values of the last step booked), and
-                refresh the bar every this many micro-batches.
+            checkpoints: periodic checkpoints, :class:`precisionloop.Checkpoints`.
+            log_every: write to the loggers every this many optimizer steps, and refresh the bar every this many
+                micro-batches.
             underflow_every: measure gradient underflow every this many optimizer steps (:mod:`precisionloop.diagnostics`).
             loggers: :mod:`precisionloop.loggers` or objects with ``log_metrics(metrics, step)``, also at epoch ends.
-            device_feed: on CUDA, copy each batch on a side stream, beside the step before it; no effect on the CPU.
 
         Returns:
-            One dict per epoch: ``epoch``, ``train_loss``, ``steps``, ``skipped``, ``time_s``, ``samples_per_s``,
-            ``data_s`` and ``data_fraction`` (time blocked on the loader), ``complete``, the loss-scale
-            counters, and ``val_loss`` and the metrics with ``val_loader``.
+            One dict per epoch: ``epoch``, ``complete``, ``train_loss`` (of the finite losses), ``steps``,
+            ``skipped``, ``time_s``, ``samples_per_s``, ``data_s`` and ``data_fraction`` (time waiting for the
+            loader), the ``stats_*`` counters, and ``val_loss`` and the metrics with ``val_loader``.
 
         Raises:
-            ValueError: bad arguments, a loader with no batches, or a ReduceLROnPlateau without ``val_loader``.
+            ValueError: a Dataset for a loader, metrics or a ReduceLROnPlateau without ``val_loader``, or an epoch
+                with no batches.
         """
-        options = loop.FitOptions(epochs, max_steps, progress, callbacks, checkpoint_dir, checkpoint_every,
-                                  keep_last, log_every, underflow_every, loggers, device_feed)
-        return loop.fit(self, train_loader, options, val_loader, metrics)
+        return loop.fit(self, train_loader, epochs, val_loader, metrics, max_steps, progress, callbacks, checkpoints,
+                        log_every, underflow_every, loggers)
 
     def evaluate(self, loader: Iterable, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
-        """``{"val_loss": mean loss, name: metric, ...}`` over ``loader``: eval mode, no grad, the policy's autocast.
-
-        Raises:
-            ValueError: ``loader`` has or yields no batch (a spent generator); batches of size 0 are passed over."""
+        """``{"val_loss": mean loss, name: metric, ...}`` over ``loader``: eval mode, no grad, the policy's autocast."""
         return loop.evaluate(self, loader, metrics)
 
     def state_dict(self) -> dict:
-        """Everything needed to resume exactly: model, optimizer, scheduler, scaler, counters and RNGs.
-
-        It holds the live tensors, as torch's ``state_dict`` does: ``copy.deepcopy`` it for a snapshot.
+        """Everything needed to resume exactly: model, optimizer, scheduler, scaler, counters and RNG states.
 
         Raises:
-            RuntimeError: an accumulation window is open (its gradients cannot be saved).
+            RuntimeError: an accumulation is open (its gradients cannot be saved).
         """
-        if self.engine.micro:
-            raise RuntimeError(
-                f"cannot save in the middle of an accumulation window ({self.engine.micro} of "
-                f"{self.engine.grad_accum_steps} micro-batches done); save after an optimizer step or call flush() first")
+        if self._engine.micro:
+            raise RuntimeError(f"cannot save with an accumulation open ({self._engine.micro} of "
+                               f"{self.grad_accum_steps} micro-batches done): save after an optimizer step, or flush()")
         return checkpoint.trainer_state(self)
 
     def load_state_dict(self, state: dict, *, source: str = "the checkpoint") -> None:
-        """Restore what :meth:`state_dict` returned, RNG states included; all or nothing.
-
-        An open window is discarded; a Trainer still waiting to autotune takes the checkpoint's policy.
+        """Restore what :meth:`state_dict` returned; all or nothing. An open accumulation is discarded.
 
         Raises:
-            ValueError: the state is not a Trainer state, is incomplete or damaged, or does not fit this
-                model or optimizer; nothing was changed.
+            ValueError: the state does not fit this model, optimizer or scheduler; nothing was changed.
         """
         checkpoint.load_state(self, state, source)
 
@@ -326,21 +244,48 @@ class Trainer:
         """Write a checkpoint atomically: ``path`` holds the old file or the whole new one, never half.
 
         Raises:
-            RuntimeError: an accumulation window is open.
+            RuntimeError: an accumulation is open.
         """
-        state = self.state_dict()  # every rank takes part: the state is gathered
-        path = Path(path)
-        if _dist.is_main():
+        state, path = self.state_dict(), Path(path)  # every rank takes part: the state is gathered
+        if self.is_main:
             checkpoint.atomic_save(state, path)
         _dist.barrier()  # no rank reads the file before rank 0 has written it
         return path
 
     def load(self, path: str | os.PathLike) -> None:
-        """Resume from a checkpoint written by :meth:`save`; the next ``fit`` continues where it stopped.
+        """Resume from a checkpoint written by :meth:`save`; the next ``fit`` goes on where it stopped.
 
         Raises:
             FileNotFoundError: no file at ``path``.
-            ValueError: the file is truncated, corrupt, not a precisionloop checkpoint, or does not fit this
-                model or optimizer (then nothing is changed).
+            ValueError: the file is damaged, not a precisionloop checkpoint, or does not fit (nothing changed).
         """
         self.load_state_dict(checkpoint.read(path), source=f"checkpoint {path}")
+
+
+def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, interval: Any, accum: Any) -> None:
+    """The traps users fall into, refused before anything changes."""
+    if isinstance(loss_fn, type):
+        raise ValueError(f"loss_fn is the class {loss_fn.__name__}; pass an instance, such as {loss_fn.__name__}()")
+    if interval not in (("step", "epoch") if scheduler is not None else (None,)):
+        raise ValueError(f"a scheduler needs scheduler_interval 'step' (after every optimizer step taken) or 'epoch' "
+                         f"(at each epoch's end of fit), and none is needed without one; got scheduler="
+                         f"{type(scheduler).__name__ if scheduler is not None else None}, scheduler_interval={interval!r}")
+    if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
+        raise ValueError(f"grad_accum_steps must be an int >= 1, got {accum!r}")
+    trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing, foreign = [n for i, n in trainable.items() if i not in held], held - {id(p) for p in model.parameters()}
+    if missing or foreign:
+        raise ValueError("the optimizer must hold exactly the model's trainable parameters; "
+                         + (f"it lacks {', '.join(missing[:5])}" if missing else f"it holds {len(foreign)} other tensors"))
+
+
+def _compile_mode(compile: bool | str, device: torch.device) -> str | None:
+    if compile is False:
+        return None
+    if compile is True:
+        return "reduce-overhead" if device.type == "cuda" else "default"
+    if compile not in _compat.compile_modes():
+        raise ValueError(f"compile must be False, True or a torch.compile mode among "
+                         f"{', '.join(_compat.compile_modes())}; got {compile!r}")
+    return compile

@@ -1,0 +1,422 @@
+"""The training step: forward and loss under autocast, backward, and every ``grad_accum_steps`` micro-batches one
+optimizer step behind a gradient guard, which owns loss scaling and the inf/NaN check under every precision.
+
+Each optimizer step's outcome (found inf, loss, scale) stays on the device and is copied to the host without
+blocking, then counted later, so a fused optimizer never waits for the step just queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import _compat
+from . import distributed as _dist
+
+__all__ = ["StepResult", "TrainStats"]
+
+
+class StepResult:
+    """What one call to :meth:`Trainer.step` did; its values reach the host only when read.
+
+    Attributes:
+        loss: the micro-batch's loss, unscaled and not divided by ``grad_accum_steps``.
+        stepped: the optimizer updated the parameters.
+        skipped: an optimizer step was due but skipped for non-finite gradients.
+        scale: the loss scale after this step, or ``None`` without a scaler.
+        grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
+    """
+
+    __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "_due")
+
+    def __init__(self, loss, due: bool, found_inf=None, scale=None, grad_norm=None):
+        self._loss, self._found_inf, self._scale, self._grad_norm, self._due = loss, found_inf, scale, grad_norm, due
+
+    loss = property(lambda self: float(self._loss))
+    skipped = property(lambda self: self._due and bool(self._found_inf))
+    stepped = property(lambda self: self._due and not self.skipped)
+    scale = property(lambda self: _host(self._scale))
+    grad_norm = property(lambda self: _host(self._grad_norm))
+
+    def __repr__(self) -> str:
+        return (f"StepResult(loss={self.loss:.6g}, stepped={self.stepped}, skipped={self.skipped}, "
+                f"scale={self.scale}, grad_norm={self.grad_norm})")
+
+
+def _host(value):
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+@dataclasses.dataclass
+class TrainStats:
+    """Optimizer-step and loss-scale counters over the run (``trainer.stats``)."""
+
+    steps: int = 0
+    """optimizer steps that were due, taken or skipped"""
+    skipped: int = 0
+    steps_since_overflow: int = 0
+    scale: float | None = None
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    def record(self, skipped: bool, scale: float | None) -> None:
+        """Count one optimizer step."""
+        self.steps += 1
+        self.skipped += skipped
+        self.steps_since_overflow = 0 if skipped else self.steps_since_overflow + 1
+        if scale is not None:
+            self.scale = scale
+            self.min_scale = scale if self.min_scale is None else min(self.min_scale, scale)
+            self.max_scale = scale if self.max_scale is None else max(self.max_scale, scale)
+
+
+class _RefusedLoss(ValueError):
+    """A loss refused before its backward: nothing was changed."""
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise _RefusedLoss(f"loss_fn (or compute_loss) returned {what}, not a scalar: reduce it to one number per "
+                           "batch (reduction='mean'); if the model computes its own loss, override compute_loss to "
+                           "return it; nothing was changed")
+    if not loss.requires_grad:
+        raise _RefusedLoss("the loss does not require grad, so backward would reach no parameter: are all parameters "
+                           "frozen, or was it computed under torch.no_grad()? Nothing was changed")
+
+
+class _FusedSGDFirstStep:
+    """Whether a fused SGD with momentum is about to step a parameter without a momentum buffer.
+
+    torch's fused SGD makes the buffers with ``empty_like`` and fills them in the kernel, so a step skipped on the
+    device leaves them uninitialised and the next step reads garbage into the weights: until the buffers exist,
+    the skip is decided on the host. The scan is redone only when the groups or the state's size change, or when
+    a parameter that then had no buffer has a gradient.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._waiting: list[torch.Tensor] = []
+
+    def needs_host(self, optimizer: torch.optim.Optimizer) -> bool:
+        key = (tuple((id(g["params"]), len(g["params"]), g.get("fused"), g.get("momentum")) for g in optimizer.param_groups),
+               id(optimizer.state), len(optimizer.state))
+        if key == self._key and not any(p.grad is not None for p in self._waiting):
+            return False
+        waiting = [p for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
+                   for p in g["params"] if optimizer.state.get(p, {}).get("momentum_buffer") is None]
+        if any(p.grad is not None for p in waiting):
+            return True
+        self._key, self._waiting = key, waiting
+        return False
+
+
+def _step_on_host(optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
+    """``step()``; a fused SGD group mixing parameters with and without buffers (which torch's fused SGD refuses)
+    steps on the default implementation, which starts each new buffer itself."""
+    mixed = [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
+             and len({optimizer.state.get(p, {}).get("momentum_buffer") is None
+                      for p in g["params"] if p.grad is not None}) == 2]
+    for group in mixed:
+        group["fused"] = False
+    try:
+        step()
+    finally:
+        for group in mixed:
+            group["fused"] = True
+
+
+class _ScalerGuard:
+    """Loss scaling through a ``torch.amp.GradScaler`` (FSDP2's sharded one under ``distributed="fsdp"``)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler, self._first = scaler, _FusedSGDFirstStep()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
+        self.scaler.unscale_(optimizer)
+        return _compat.scaler_found_inf(self.scaler, optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        if not self._first.needs_host(optimizer):
+            self.scaler.step(optimizer)  # fused optimizers skip on the device, others sync inside GradScaler
+        elif not found_inf.item():
+            _step_on_host(optimizer, lambda: self.scaler.step(optimizer))
+
+    def update(self) -> None:
+        self.scaler.update()
+
+    def abandon(self) -> None:
+        _compat.forget_unscale(self.scaler)
+
+    def scale_tensor(self) -> torch.Tensor:
+        return _compat.scaler_scale_tensor(self.scaler)
+
+
+class _FiniteGuard:
+    """No loss scale; a step whose gradients hold an inf or NaN is skipped. ``all_reduce_max`` makes every rank
+    skip together."""
+
+    scaler = None
+
+    def __init__(self, all_reduce_max: Callable[[torch.Tensor], Any] | None = None):
+        self.all_reduce_max, self._first = all_reduce_max, _FusedSGDFirstStep()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
+        """1.0 on the first gradient's device if any gradient (its local values: shards, sparse) is not finite."""
+        grads = [g if type(g) is torch.Tensor and not g.is_sparse else _compat.dense_values(g) for g in grads]
+        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")  # fp32: fused kernels
+        for group in _compat.group_by_device_and_dtype(grads) if grads else ():
+            here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
+            _compat.non_finite_any_(group, here)
+            if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
+                torch.maximum(found, here.to(found.device), out=found)
+        if self.all_reduce_max is not None:
+            self.all_reduce_max(found)
+        return found
+
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+        if _compat.skips_on_device(optimizer) and not self._first.needs_host(optimizer):
+            _compat.step_skipping_on_device(optimizer, found_inf)  # no host sync
+        elif not found_inf.item():  # nothing else guards the weights: the one host sync
+            _step_on_host(optimizer, optimizer.step)
+
+    def update(self) -> None:
+        pass
+
+    def abandon(self) -> None:
+        pass
+
+    def scale_tensor(self) -> None:
+        return None
+
+
+def make_guard(scaler: torch.amp.GradScaler | None, distributed: str | None, device_type: str):
+    """The step's guard over the policy's scaler, with the collective it needs to agree across ranks."""
+    if scaler is None:
+        return _FiniteGuard(_dist.all_reduce_max_ if distributed else None)
+    if distributed == "fsdp":  # each rank holds a shard of the gradients: the verdict is all-reduced
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device_type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
+                                   backoff_factor=scaler.get_backoff_factor(),
+                                   growth_interval=scaler.get_growth_interval())
+    return _ScalerGuard(scaler)
+
+
+def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+    """Switch a torch SGD, Adam or AdamW on CUDA at its default implementation to its fused one; True if switched.
+
+    The fused kernels take the inf/NaN flag as a device tensor, so a guarded step needs no host sync; the algorithm
+    is the same. Left alone: other classes, an optimizer with state or off CUDA, a group that chose ``fused``,
+    ``foreach``, ``capturable`` or ``differentiable`` itself, non-float parameters, sparse embeddings.
+    """
+    groups = optimizer.param_groups
+    if (type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or optimizer.state
+            or any(g.get("fused") is not None or g.get("foreach") or g.get("capturable") or g.get("differentiable")
+                   for g in groups)
+            or not all(p.is_cuda and p.is_floating_point() for g in groups for p in g["params"])
+            or any(getattr(m, "sparse", False) for m in model.modules())):
+        return False
+    _compat.use_fused_implementation(optimizer)
+    return True
+
+
+class _Outcome:
+    """An optimizer step's found inf, loss and scale on their way to the host. On CUDA one row, copied without
+    blocking (torch pins the copy) with an event after it; the row also keeps the loss a CUDA-graph replay would
+    overwrite. Elsewhere the tensors themselves, read at once."""
+
+    __slots__ = ("found_inf", "loss", "scale", "values", "event")
+
+    def __init__(self, found_inf: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor | None):
+        self.found_inf, self.loss, self.event = found_inf, loss, None
+        self.scale = None if scale is None else scale.clone()  # the scaler updates its own in place
+        if found_inf.is_cuda:
+            row = torch.stack([found_inf, loss.to(found_inf.device, torch.float32), *([] if scale is None else [scale])])
+            self.found_inf, self.loss, self.scale = row[0], row[1], None if scale is None else row[2]
+            with torch.inference_mode(False):
+                self.values = row.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(row.device))
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def read(self) -> list[float]:
+        if self.event is None:
+            return [self.found_inf.item(), self.loss.item(), *([] if self.scale is None else [self.scale.item()])]
+        self.event.synchronize()
+        return self.values.tolist()
+
+
+class StepEngine:
+    """Accumulation, the guarded optimizer step, clipping, counting outcomes and the skip limit.
+
+    ``compute_loss(batch)`` gives one micro-batch's loss. ``probe``, when set, is called with the optimizer step's
+    number after the gradients are unscaled and before they are clipped (``fit``'s underflow figures).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, compute_loss: Callable[[Any], Any],
+                 scheduler: Any, grad_accum_steps: int, max_grad_norm: float | None, max_consecutive_skips: int,
+                 distributed: str | None):
+        self.model, self.optimizer, self.compute_loss, self.scheduler = model, optimizer, compute_loss, scheduler
+        self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
+        self.max_consecutive_skips, self.distributed = max_consecutive_skips, distributed
+        self.autocast: Callable[[], Any] = contextlib.nullcontext
+        self.guard: Any = None
+        self.compile_mode: str | None = None
+        self.stats = TrainStats()
+        self.last_loss: float | None = None  # the loss of the last counted optimizer step, on the host
+        self.last_scale: Any = None  # the loss scale after the last optimizer step (a device tensor, or None)
+        self.micro = self.global_step = self.consecutive_skips = 0
+        self.collapse_warned = self.unsynced = self.sync_next = False  # sync_next: fit's last micro-batch of an epoch
+        self.probe: Callable[[int], None] | None = None
+        self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
+
+    def step(self, batch: Any) -> StepResult:
+        """One micro-batch: forward and backward, then the optimizer step if the accumulation is complete.
+
+        An exception (a Ctrl-C too) discards the open accumulation: no partial gradient leaks into the next step.
+        """
+        try:
+            with torch.enable_grad():  # a step under the caller's no_grad() still trains
+                if self.compile_mode is None:
+                    return self._step(batch)
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's CUDA-graph outputs may be reused
+                with _compat.compiled_backward_like_eager():
+                    return self._step(batch)
+        except _RefusedLoss:
+            raise  # refused before its backward: nothing changed
+        except _compat.compile_error_types() as e:
+            self.discard_accumulation()
+            raise RuntimeError(f"torch.compile(mode={self.compile_mode!r}) failed: {str(e).strip()[:300]}. Train "
+                               "eagerly with compile=False, or try another mode") from e
+        except BaseException:
+            self.discard_accumulation()
+            raise
+
+    def _step(self, batch: Any) -> StepResult:
+        syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next
+        # No gradient all-reduce on micro-batches that do not step.
+        with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
+            with self.autocast():
+                loss = self.compute_loss(batch)
+            _check_loss(loss)
+            self.guard.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
+        self.unsynced = bool(self.distributed) and not syncs
+        self.micro += 1
+        loss = loss.detach()
+        if self.micro < self.grad_accum_steps:
+            # A CUDA-graph output would be overwritten by the next replay.
+            return StepResult(loss if self.compile_mode is None else loss.clone(), False, scale=self.last_scale)
+        return self.optimizer_step(loss)
+
+    def flush(self) -> StepResult | None:
+        """The optimizer step for an incomplete accumulation, its gradients averaged over the micro-batches it holds."""
+        if self.micro == 0:
+            return None
+        try:
+            with torch.inference_mode(False):  # optimizer state made in inference mode could not be updated later
+                if self.unsynced:
+                    _dist.average_gradients(self.model, self.params())
+                return self.optimizer_step(torch.full((), float("nan"), device=self.params()[0].device))
+        except BaseException:
+            self.discard_accumulation()
+            raise
+
+    def params(self) -> list[nn.Parameter]:
+        """The optimizer's parameters now: one added later (``add_param_group``) is checked and clipped too."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def optimizer_step(self, loss: torch.Tensor) -> StepResult:
+        # A scheduler must have set this step's LR, so with one every earlier outcome is counted first; without,
+        # those already on the host or two steps old, so the host never waits for the step just queued.
+        self._count_pending(wait_all=self.scheduler is not None)
+        params = self.params()
+        grads = [p.grad for p in params if p.grad is not None]
+        found_inf = self.guard.unscale_and_check(self.optimizer, grads)
+        if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
+            _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
+        if self.probe is not None:
+            self.probe(self.global_step + 1)
+        grad_norm = None
+        if self.max_grad_norm is not None:
+            grad_norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        outcome = None
+        try:
+            self.guard.step(self.optimizer, found_inf)
+            self.guard.update()
+            outcome = _Outcome(found_inf, loss, self.guard.scale_tensor())
+            self._pending.append(outcome)
+        finally:  # the weights may have changed: the step counts, whatever was raised
+            self.micro, self.unsynced, self.global_step = 0, False, self.global_step + 1
+            if outcome is None:
+                self._count_failed_step(found_inf, loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_scale = outcome.scale
+        if outcome.event is None:
+            self.sync()  # on the host already: counted now, so the skip limit fires at its step
+        return StepResult(outcome.loss, True, found_inf=outcome.found_inf, scale=outcome.scale, grad_norm=grad_norm)
+
+    def _count_failed_step(self, found_inf: torch.Tensor, loss: torch.Tensor) -> None:
+        """After an error past the update, the step is counted now; a second error is swallowed for the first."""
+        with contextlib.suppress(Exception, KeyboardInterrupt):
+            self._count_pending(wait_all=True)
+        self._pending = []
+        with contextlib.suppress(Exception, KeyboardInterrupt):
+            scale = self.guard.scale_tensor()
+            self._count([float(found_inf), float(loss), *([] if scale is None else [float(scale)])])
+
+    def discard_accumulation(self) -> None:
+        """Drop the gradients of an open accumulation (after an error, or on load)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro, self.unsynced = 0, False
+        if self.guard is not None:
+            self.guard.abandon()
+
+    def sync(self) -> None:
+        """Count every optimizer step's outcome, waiting for them.
+
+        Raises:
+            RuntimeError: ``max_consecutive_skips`` steps in a row were skipped.
+        """
+        self._count_pending(wait_all=True)
+
+    def _count_pending(self, wait_all: bool) -> None:
+        while self._pending and (wait_all or len(self._pending) > 1 or self._pending[0].ready()):
+            values = self._pending[0].read()  # an interrupt in the wait leaves it pending
+            self._pending.pop(0)
+            self._count(values)
+
+    def _count(self, values: list[float]) -> None:
+        """Count an outcome; then the scheduler's step if it was taken, the collapse warning, the skip limit."""
+        skipped, scale = bool(values[0]), (values[2] if len(values) > 2 else None)
+        if not math.isnan(values[1]):  # a flush has no micro-batch loss
+            self.last_loss = values[1]
+        self.stats.record(skipped, scale)
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        if not skipped and self.scheduler is not None:
+            self.scheduler.step()
+        if scale is not None and scale < 1 and not self.collapse_warned:
+            self.collapse_warned = True
+            warnings.warn(f"the loss scale fell to {scale:g} at optimizer step {self.stats.steps}: gradients are "
+                          "non-finite even unscaled, so fp16 is unlikely to train this model", RuntimeWarning,
+                          stacklevel=_compat.stacklevel_outside_package())
+        if skipped and self.consecutive_skips >= self.max_consecutive_skips:
+            raise RuntimeError(
+                f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients (at "
+                f"optimizer step {self.stats.steps}, loss scale {scale}); the loss or the model diverged. Lower the "
+                "learning rate, check the data, or try precision='bf16' or 'fp32'")
