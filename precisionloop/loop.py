@@ -191,7 +191,7 @@ class _Epoch:
 
     def run(self, epochs: int) -> dict:
         trainer = self.trainer
-        bar = tqdm(total=self.total, initial=trainer.batch_in_epoch, desc=f"epoch {trainer.epoch + 1}/{epochs}",
+        bar = tqdm(total=self.total, initial=trainer.batch_in_epoch, desc=f"epoch {trainer.epoch + 1}/{epochs} {trainer.policy.name}",
                    disable=not self.options["progress"], dynamic_ncols=True)
         try:
             with trainer.policy.backend_flags(trainer.device.type):

@@ -137,6 +137,18 @@ class FP32Policy(PrecisionPolicy):
     def name(self) -> str:  # type: ignore[override]
         return "tf32" if self.tf32 else "fp32"
 
+    def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
+        """As :meth:`PrecisionPolicy.check_model`; also refuses tf32 on a device without TF32, where it is fp32.
+
+        Raises:
+            ValueError: as :meth:`PrecisionPolicy.check_model`, or ``tf32`` on a device without TF32.
+        """
+        super().check_model(model, device)
+        if self.tf32 and device is not None and not has_tf32(device):
+            where = "the CPU" if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
+            raise ValueError(f"precision 'tf32': TF32 needs a CUDA GPU of compute capability 8.0+, and {where} has "
+                             "none (tf32 would run as fp32); use fp32")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BF16Policy(PrecisionPolicy):
@@ -229,6 +241,24 @@ def cuda_bf16_native(device: torch.device) -> bool:
     return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def has_tf32(device: torch.device) -> bool:
+    """Whether ``device`` has TF32 math: CUDA of compute capability 8.0 or higher."""
+    return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def warn_overridden_flags(policy: PrecisionPolicy) -> None:
+    """Warn when the policy's backend flags override ones this process set away from torch's defaults."""
+    with policy.backend_flags("cuda"):
+        wanted = [getattr(owner, name) for owner, name in _FLAGS]
+    overridden = [f"{label}={now!r} (the Trainer sets {want!r})"
+                  for label, want, now, default in zip(_LABELS, wanted, _current(), _DEFAULTS)
+                  if now not in default and want != now]
+    if overridden:
+        warnings.warn(f"precision {policy.name!r} overrides this process's {', '.join(overridden)} while it trains; "
+                      "precision='tf32' keeps TF32 on, or pass a policy with the tf32= and cudnn_benchmark= you want",
+                      UserWarning, stacklevel=_compat.stacklevel_outside_package())
+
+
 def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -> None:
     """Refuse a precision the device cannot run natively; warn for fp16 on the CPU (correct, but very slow)."""
     if dtype == torch.float32:
@@ -251,6 +281,17 @@ _FLAGS = (((_MATMUL, "fp32_precision"), (_CUDNN.conv, "fp32_precision"), (_CUDNN
           if _NEW_TF32_API else ((_MATMUL, "allow_tf32"), (_CUDNN, "allow_tf32"))) + ((_CUDNN, "benchmark"),)
 
 
+_LABELS = (("cuda.matmul.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision") if _NEW_TF32_API
+           else ("cuda.matmul.allow_tf32", "cudnn.allow_tf32")) + ("cudnn.benchmark",)
+# torch's own defaults ("none" defers to the global setting): a value among them is not the user's choice.
+_DEFAULTS = (("none", "ieee"), ("none", "tf32"), ("none", "tf32"), (False,)) if _NEW_TF32_API else (
+    (False,), (True,), (False,))
+
+
+def _current() -> tuple:
+    return tuple(getattr(owner, name) for owner, name in _FLAGS)
+
+
 def _tf32_values(tf32: bool) -> tuple:
     return ("tf32" if tf32 else "ieee",) * 3 if _NEW_TF32_API else (tf32, tf32)
 
@@ -258,7 +299,7 @@ def _tf32_values(tf32: bool) -> tuple:
 @contextlib.contextmanager
 def _flags_set(wanted: tuple) -> Iterator[None]:
     """Each of ``_FLAGS`` set to its wanted value for the block; every one that differs then is restored after."""
-    saved = tuple(getattr(owner, name) for owner, name in _FLAGS)
+    saved = _current()
     try:
         for (owner, name), value, was in zip(_FLAGS, wanted, saved):
             if value != was:

@@ -71,6 +71,6 @@ def _auto_policy(device: torch.device) -> PrecisionPolicy:
     elif device.type == "cpu" and _compat.cpu_bf16_native():
         policy = BF16Policy(note="auto: this CPU runs bf16 natively")
     else:
-        policy = FP32Policy(tf32=True, note=f"auto: no native reduced precision found for {device}")
+        policy = FP32Policy(note=f"auto: no native reduced precision (nor TF32) found for {device}, so fp32")
     log.info("precision='auto' chose %s: %s", policy.name, policy.note)
     return policy

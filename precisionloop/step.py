@@ -76,18 +76,26 @@ class TrainStats:
             self.max_scale = scale if self.max_scale is None else max(self.max_scale, scale)
 
 
-class _RefusedLoss(ValueError):
+class RefusedLoss(ValueError):
     """A loss refused before its backward: nothing was changed."""
+
+
+OWN_LOSS = """If the model computes its own loss, override compute_loss to give it the targets and return that loss:
+
+    class MyTrainer(Trainer):
+        def compute_loss(self, batch):
+            inputs, targets = batch
+            return self.model(inputs, targets)[1]  # (logits, loss); or .loss for an output object"""
 
 
 def _check_loss(loss: Any) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise _RefusedLoss(f"loss_fn (or compute_loss) returned {what}, not a scalar: reduce it to one number per "
-                           "batch (reduction='mean'); if the model computes its own loss, override compute_loss to "
-                           "return it; nothing was changed")
+        hint = ("reduce it to one number per batch (reduction='mean')" if isinstance(loss, torch.Tensor) else
+                "A loss_fn that gets None or a tuple usually means the targets never reached the model. " + OWN_LOSS)
+        raise RefusedLoss(f"loss_fn (or compute_loss) returned {what}, not a scalar tensor; nothing was changed. {hint}")
     if not loss.requires_grad:
-        raise _RefusedLoss("the loss does not require grad, so backward would reach no parameter: are all parameters "
+        raise RefusedLoss("the loss does not require grad, so backward would reach no parameter: are all parameters "
                            "frozen, or was it computed under torch.no_grad()? Nothing was changed")
 
 
@@ -297,7 +305,7 @@ class StepEngine:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's CUDA-graph outputs may be reused
                 with _compat.compiled_backward_like_eager():
                     return self._step(batch)
-        except _RefusedLoss:
+        except RefusedLoss:
             raise  # refused before its backward: nothing changed
         except _compat.compile_error_types() as e:
             self.discard_accumulation()

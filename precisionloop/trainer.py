@@ -17,9 +17,9 @@ from . import distributed as _dist
 from . import keep_fp32 as fp32_modules
 from .loop import Checkpoints
 from .memory import MemoryBreakdown, memory_breakdown
-from .policy import PrecisionPolicy, resolve_device
+from .policy import PrecisionPolicy, resolve_device, warn_overridden_flags
 from .precisions import get_policy
-from .step import StepEngine, StepResult, TrainStats, fuse_default_optimizer, make_guard
+from .step import OWN_LOSS, RefusedLoss, StepEngine, StepResult, TrainStats, fuse_default_optimizer, make_guard
 
 __all__ = ["Trainer"]
 
@@ -74,6 +74,8 @@ class Trainer:
         self.policy = policy = get_policy(precision, self.device)
         policy.check_model(model, self.device)
         policy.check_weights(model, optimizer)
+        if self.device.type == "cuda":
+            warn_overridden_flags(policy)
         self.compile_mode = _compile_mode(compile, self.device)
         policy.check_compile(self.compile_mode, self.device.type)
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -127,7 +129,11 @@ class Trainer:
     def compute_loss(self, batch: Any) -> torch.Tensor:
         """The loss of one micro-batch, under autocast; override it for other losses, or to return a loss the model
         computes itself."""
-        return self.loss_fn(*self.forward_batch(batch))
+        outputs, targets = self.forward_batch(batch)
+        if not isinstance(outputs, torch.Tensor) and self.loss_fn is nn.functional.cross_entropy:
+            raise RefusedLoss(f"the model returned a {type(outputs).__name__}, and the default loss takes a tensor of "
+                              f"logits; nothing was changed. {OWN_LOSS}")
+        return self.loss_fn(outputs, targets)
 
     def _overrides(self, name: str) -> bool:
         return getattr(type(self), name) is not getattr(Trainer, name)
