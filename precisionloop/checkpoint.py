@@ -183,7 +183,6 @@ def _restore(trainer, state: dict) -> None:
     engine.collapse_warned = counters["collapse_warned"]
     engine.stats = type(engine.stats)(**state["stats"])
     engine.last_loss = None  # the replaced run's last loss is not this one's
-    engine.last_scale = engine.guard.scale_tensor()
     if scaler is None:  # an fp16 run loaded without a scaler reports no scale
         engine.stats.scale = engine.stats.min_scale = engine.stats.max_scale = None
     else:

@@ -140,49 +140,22 @@ def _step_on_host(optimizer: torch.optim.Optimizer, step: Callable[[], None]) ->
             group["fused"] = True
 
 
-class _ScalerGuard:
-    """Loss scaling through a ``torch.amp.GradScaler`` (FSDP2's sharded one under ``distributed="fsdp"``)."""
+class _Guard:
+    """What stands between a backward and the optimizer step, the same calls under every precision: loss scaling
+    through the policy's ``GradScaler`` when it makes one, and in any case a step whose gradients hold an inf or
+    NaN is skipped. Without a scaler, ``all_reduce_max`` makes every rank skip together."""
 
-    def __init__(self, scaler: torch.amp.GradScaler):
-        self.scaler, self._first = scaler, _FusedSGDFirstStep()
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss)
-
-    def unscale_and_check(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        self.scaler.unscale_(optimizer)
-        return _compat.scaler_found_inf(self.scaler, optimizer)
-
-    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-        if not self._first.needs_host(optimizer):
-            self.scaler.step(optimizer)  # fused optimizers skip on the device, others sync inside GradScaler
-        elif not found_inf.item():
-            _step_on_host(optimizer, lambda: self.scaler.step(optimizer))
-
-    def update(self) -> None:
-        self.scaler.update()
-
-    def abandon(self) -> None:
-        _compat.forget_unscale(self.scaler)
-
-    def scale_tensor(self) -> torch.Tensor:
-        return _compat.scaler_scale_tensor(self.scaler)
-
-
-class _FiniteGuard:
-    """No loss scale; a step whose gradients hold an inf or NaN is skipped. ``all_reduce_max`` makes every rank
-    skip together."""
-
-    scaler = None
-
-    def __init__(self, all_reduce_max: Callable[[torch.Tensor], Any] | None = None):
-        self.all_reduce_max, self._first = all_reduce_max, _FusedSGDFirstStep()
+    def __init__(self, scaler: torch.amp.GradScaler | None, all_reduce_max: Callable[[torch.Tensor], Any] | None):
+        self.scaler, self.all_reduce_max, self._first = scaler, all_reduce_max, _FusedSGDFirstStep()
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss
+        return loss if self.scaler is None else self.scaler.scale(loss)
 
     def unscale_and_check(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        """1.0 on the first gradient's device if any gradient (its local values: shards, sparse) is not finite."""
+        """1.0 (on the first gradient's device) if any gradient is not finite, else 0.0; unscaled first."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+            return _compat.scaler_found_inf(self.scaler, optimizer)
         grads = [g if type(g) is torch.Tensor and not g.is_sparse else _compat.dense_values(g) for g in grads]
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")  # fp32: fused kernels
         for group in _compat.group_by_device_and_dtype(grads) if grads else ():
@@ -195,32 +168,36 @@ class _FiniteGuard:
         return found
 
     def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-        if _compat.skips_on_device(optimizer) and not self._first.needs_host(optimizer):
-            _compat.step_skipping_on_device(optimizer, found_inf)  # no host sync
-        elif not found_inf.item():  # nothing else guards the weights: the one host sync
-            _step_on_host(optimizer, optimizer.step)
+        on_host = self._first.needs_host(optimizer)
+        if self.scaler is not None and not on_host:
+            self.scaler.step(optimizer)  # fused optimizers skip on the device, others sync inside GradScaler
+        elif _compat.skips_on_device(optimizer) and not on_host:
+            _compat.step_skipping_on_device(optimizer, found_inf)
+        elif not found_inf.item():  # the one host sync (a scaler still backs off in update())
+            _step_on_host(optimizer, optimizer.step if self.scaler is None else lambda: self.scaler.step(optimizer))
 
     def update(self) -> None:
-        pass
+        if self.scaler is not None:
+            self.scaler.update()
 
     def abandon(self) -> None:
-        pass
+        """Forget an unscale whose step never came (an error in between)."""
+        if self.scaler is not None:
+            _compat.forget_unscale(self.scaler)
 
-    def scale_tensor(self) -> None:
-        return None
+    def scale_tensor(self) -> torch.Tensor | None:
+        return None if self.scaler is None else _compat.scaler_scale_tensor(self.scaler)
 
 
-def make_guard(scaler: torch.amp.GradScaler | None, distributed: str | None, device_type: str):
+def make_guard(scaler: torch.amp.GradScaler | None, distributed: str | None, device_type: str) -> _Guard:
     """The step's guard over the policy's scaler, with the collective it needs to agree across ranks."""
-    if scaler is None:
-        return _FiniteGuard(_dist.all_reduce_max_ if distributed else None)
-    if distributed == "fsdp":  # each rank holds a shard of the gradients: the verdict is all-reduced
+    if scaler is not None and distributed == "fsdp":  # each rank holds a shard: the scaler all-reduces its check
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         scaler = ShardedGradScaler(device_type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
                                    backoff_factor=scaler.get_backoff_factor(),
                                    growth_interval=scaler.get_growth_interval())
-    return _ScalerGuard(scaler)
+    return _Guard(scaler, _dist.all_reduce_max_ if distributed and scaler is None else None)
 
 
 def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
@@ -276,18 +253,15 @@ class StepEngine:
     number after the gradients are unscaled and before they are clipped (``fit``'s underflow figures).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, compute_loss: Callable[[Any], Any],
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: _Guard, *,
+                 autocast: Callable[[], Any], compile_mode: str | None, compute_loss: Callable[[Any], Any],
                  scheduler: Any, grad_accum_steps: int, max_grad_norm: float | None, max_consecutive_skips: int,
                  distributed: str | None):
-        self.model, self.optimizer, self.compute_loss, self.scheduler = model, optimizer, compute_loss, scheduler
-        self.grad_accum_steps, self.max_grad_norm = grad_accum_steps, max_grad_norm
-        self.max_consecutive_skips, self.distributed = max_consecutive_skips, distributed
-        self.autocast: Callable[[], Any] = contextlib.nullcontext
-        self.guard: Any = None
-        self.compile_mode: str | None = None
+        self.model, self.optimizer, self.guard, self.autocast, self.compile_mode = model, optimizer, guard, autocast, compile_mode
+        self.compute_loss, self.scheduler, self.distributed = compute_loss, scheduler, distributed
+        self.grad_accum_steps, self.max_grad_norm, self.max_consecutive_skips = grad_accum_steps, max_grad_norm, max_consecutive_skips
         self.stats = TrainStats()
         self.last_loss: float | None = None  # the loss of the last counted optimizer step, on the host
-        self.last_scale: Any = None  # the loss scale after the last optimizer step (a device tensor, or None)
         self.micro = self.global_step = self.consecutive_skips = 0
         self.collapse_warned = self.unsynced = self.sync_next = False  # sync_next: fit's last micro-batch of an epoch
         self.probe: Callable[[int], None] | None = None
@@ -328,7 +302,9 @@ class StepEngine:
         loss = loss.detach()
         if self.micro < self.grad_accum_steps:
             # A CUDA-graph output would be overwritten by the next replay.
-            return StepResult(loss if self.compile_mode is None else loss.clone(), False, scale=self.last_scale)
+            scale = self.guard.scale_tensor()
+            return StepResult(loss if self.compile_mode is None else loss.clone(), False,
+                              scale=None if scale is None else scale.clone())
         return self.optimizer_step(loss)
 
     def flush(self) -> StepResult | None:
@@ -374,7 +350,6 @@ class StepEngine:
             if outcome is None:
                 self._count_failed_step(found_inf, loss)
         self.optimizer.zero_grad(set_to_none=True)
-        self.last_scale = outcome.scale
         if outcome.event is None:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
         return StepResult(outcome.loss, True, found_inf=outcome.found_inf, scale=outcome.scale, grad_norm=grad_norm)

@@ -86,14 +86,12 @@ class Trainer:
         self._rng_epoch_start: dict | None = None  # the RNG state the current epoch's shuffle was drawn from
         self._takes_pairs = not (self._overrides("forward_batch") or self._overrides("compute_loss"))
         self.model, self._input_format = self._prepare(model.to(self.device))
-        self._engine = StepEngine(self.model, optimizer, compute_loss=self.compute_loss,
-                                  scheduler=scheduler if self.scheduler_interval == "step" else None,
-                                  grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
-                                  max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
-        self._engine.guard = make_guard(policy.make_scaler(self.device.type), self.distributed, self.device.type)
-        self._engine.autocast = functools.partial(policy.autocast, self.device.type)
-        self._engine.compile_mode = self.compile_mode
-        self._engine.last_scale = self._engine.guard.scale_tensor()
+        self._engine = StepEngine(
+            self.model, optimizer, make_guard(policy.make_scaler(self.device.type), self.distributed, self.device.type),
+            autocast=functools.partial(policy.autocast, self.device.type), compile_mode=self.compile_mode,
+            compute_loss=self.compute_loss, scheduler=scheduler if self.scheduler_interval == "step" else None,
+            grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
+            max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
 
     def _prepare(self, model: nn.Module) -> tuple[nn.Module, torch.memory_format]:
         """The policy's layout and ``keep_fp32``, then compile in place (state-dict keys unchanged), then DDP/FSDP2."""
