@@ -113,6 +113,8 @@ class _FusedSGDFirstStep:
         self._waiting: list[torch.Tensor] = []
 
     def needs_host(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not any(g.get("fused") and g.get("momentum") for g in optimizer.param_groups):
+            return False
         key = (tuple((id(g["params"]), len(g["params"]), g.get("fused"), g.get("momentum")) for g in optimizer.param_groups),
                id(optimizer.state), len(optimizer.state))
         if key == self._key and not any(p.grad is not None for p in self._waiting):
