@@ -56,7 +56,8 @@ def _unfit(module: nn.Module) -> str | None:
     return next((f"{k} {v} is not a multiple of {_ALIGNMENT}" for k, v in sizes.items() if v % _ALIGNMENT), None)
 
 
-def _float8():
+def require_torchao():
+    """torchao's ``float8`` module; a ValueError naming the extra that installs it when torchao is missing."""
     try:
         import torchao.float8 as float8
     except ImportError:
@@ -64,7 +65,7 @@ def _float8():
     return float8
 
 
-def _check_device(device: torch.device, emulate: bool) -> None:
+def check_device(device: torch.device, emulate: bool) -> None:
     """Raise unless ``device`` has fp8 matmuls (CUDA compute capability 8.9+) or they are emulated."""
     if emulate or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
         return
@@ -93,7 +94,6 @@ class FP8Policy(BF16Policy):
     """
 
     name: ClassVar[str] = "fp8"
-
     recipe: str = "tensorwise"
     layers: tuple[str, ...] | None = None
     emulate: bool = False
@@ -119,13 +119,13 @@ class FP8Policy(BF16Policy):
         """
         from torch.distributed.fsdp import FSDPModule
 
-        _float8()
+        require_torchao()
         if isinstance(model, (nn.parallel.DistributedDataParallel, FSDPModule)):
             raise ValueError("precision 'fp8' converts layers before wrapping: pass the plain model and "
                              "distributed='ddp' or 'fsdp' instead of a model you wrapped yourself")
         super().check_model(model, device)  # keep_fp32 patterns; layers an earlier FP8Policy converted
         if device is not None:
-            _check_device(device, self.emulate)
+            check_device(device, self.emulate)
         modules = dict(model.named_modules())
         for name in self.layers or ():
             why = "no such module" if name not in modules else _unfit(modules[name])
@@ -147,8 +147,8 @@ class FP8Policy(BF16Policy):
         Raises:
             ValueError: torchao is missing, or the model's device has no fp8 matmuls (``emulate`` off).
         """
-        float8 = _float8()
-        _check_device(next((p.device for p in model.parameters()), torch.device("cpu")), self.emulate)
+        float8 = require_torchao()
+        check_device(next((p.device for p in model.parameters()), torch.device("cpu")), self.emulate)
         model = super().prepare_model(model)
         planned = set(self._planned(model))
         # Inner dimensions (token counts) that are not multiples of 16 are padded rather than refused.
