@@ -19,10 +19,11 @@ def validate_keep_fp32(entries: Any) -> tuple:
     """``entries`` as a tuple in one order without duplicates, so policies keeping the same modules are equal.
 
     Args:
-        entries: one or a tuple or list of: ``nn.Module`` subclasses (matched with ``isinstance``) or ``fnmatch``
-            patterns over ``model.named_modules()`` names.
+        entries: one or a tuple or list of ``nn.Module`` subclasses (``isinstance``) or ``fnmatch`` name patterns.
+
     Raises:
-        TypeError: an entry is neither (a module instance, say). ValueError: an empty pattern.
+        TypeError: an entry is neither (a module instance, say).
+        ValueError: an empty pattern.
     """
     entries = list(entries) if isinstance(entries, (tuple, list)) else [entries]
     for entry in entries:
