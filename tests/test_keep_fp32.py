@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import io
 import pickle
-import warnings
 from collections import OrderedDict, namedtuple
 
 import pytest
@@ -198,22 +197,15 @@ def test_text_entries_and_entry_names():
     assert entry_names((nn.LayerNorm, "head")) == ["torch.nn.modules.normalization.LayerNorm", "head"]
 
 
-def saved(tmp_path, policy):
-    trainer = trainer_for(Net(), policy)
-    trainer.step(data(1)[0])
-    return trainer.save(tmp_path / "c.pt")
-
-
-def test_a_load_warns_naming_keep_fp32_only_when_it_differs(tmp_path):
-    path = saved(tmp_path, BF16Policy(keep_fp32=(nn.LayerNorm, "head")))
-    other = trainer_for(Net(seed=3), BF16Policy())
-    with pytest.warns(UserWarning, match=r"LayerNorm, head"):
-        other.load(path)
-    same = trainer_for(Net(seed=3), BF16Policy(keep_fp32=[nn.LayerNorm, "head", nn.LayerNorm]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        same.load(path)
-    assert other.global_step == same.global_step == 1
+def test_a_checkpoint_moves_between_policies_keeping_other_modules(tmp_path):
+    kept = trainer_for(Net(), BF16Policy(keep_fp32=(nn.LayerNorm, "head")))
+    kept.step(data(1)[0])
+    kept.save(tmp_path / "c.pt")
+    plain = trainer_for(Net(seed=3), BF16Policy())
+    plain.load(tmp_path / "c.pt")  # the same keys: keep_fp32 adds no module
+    assert plain.global_step == 1
+    assert all(torch.equal(p, q) for p, q in zip(kept.model.parameters(), plain.model.parameters()))
+    assert plain.step(data(1, seed=2)[0]).stepped
 
 
 def test_modules_kept_by_an_earlier_policy_are_released():
