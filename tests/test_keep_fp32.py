@@ -197,6 +197,7 @@ def test_text_entries_and_entry_names():
     assert entry_names((nn.LayerNorm, "head")) == ["torch.nn.modules.normalization.LayerNorm", "head"]
 
 
+@pytest.mark.filterwarnings("ignore:checkpoint .* was saved under:UserWarning")  # what a load says is checkpoint's
 def test_a_checkpoint_moves_between_policies_keeping_other_modules(tmp_path):
     kept = trainer_for(Net(), BF16Policy(keep_fp32=(nn.LayerNorm, "head")))
     kept.step(data(1)[0])
