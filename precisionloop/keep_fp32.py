@@ -28,7 +28,7 @@ def validate_keep_fp32(entries: Any) -> tuple:
     entries = list(entries) if isinstance(entries, (tuple, list)) else [entries]
     for entry in entries:
         if entry == "":
-            raise ValueError("keep_fp32 got the empty pattern '', which matches only the root; '*' matches every module")
+            raise ValueError("keep_fp32's empty pattern '' matches only the root; '*' matches every module")
         if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, nn.Module))):
             raise TypeError(f"keep_fp32 takes nn.Module subclasses and str name patterns, not {entry!r}"
                             f"{' (pass the class, not an instance)' if isinstance(entry, nn.Module) else ''}")
