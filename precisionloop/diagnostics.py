@@ -42,31 +42,23 @@ class UnderflowReport:
         return {**dataclasses.asdict(self), "dtype": str(self.dtype).replace("torch.", "")}
 
     def __str__(self) -> str:
-        name = str(self.dtype).replace("torch.", "")
-        finfo = torch.finfo(self.dtype)
+        name, finfo = str(self.dtype).replace("torch.", ""), torch.finfo(self.dtype)
         lines = [
             f"gradient underflow in {name} (smallest subnormal {finfo.smallest_normal * finfo.eps:.3g}, "
             f"largest finite {finfo.max:.6g}), loss scale {self.scale:g}",
             f"  nonzero gradient values   {self.nonzero:>12,}",
             f"  median |gradient|         {self.median_abs:>12.3g}",
-            f"  become 0 in {name:<9}     {_pct(self.underflow):>12}",
-            f"  land in subnormals        {_pct(self.subnormal):>12}",
-            f"  become 0 after x{self.scale:<8g} {_pct(self.underflow_scaled):>12}",
-            f"  overflow after x{self.scale:<8g} {_pct(self.overflow_scaled):>12}",
+            f"  become 0 in {name:<9}     {self.underflow:>12.4%}",
+            f"  land in subnormals        {self.subnormal:>12.4%}",
+            f"  become 0 after x{self.scale:<8g} {self.underflow_scaled:>12.4%}",
+            f"  overflow after x{self.scale:<8g} {self.overflow_scaled:>12.4%}",
         ]
-        worst = sorted(self.by_parameter.items(), key=lambda kv: -kv[1].underflow)
-        worst = [(n, p) for n, p in worst if p.underflow > 0][:10]
-        if worst:
-            width = max(len(n) for n, _ in worst)
-            lines.append("  parameters losing the most values to underflow (unscaled):")
-            lines += [f"    {n:<{width}}  {_pct(p.underflow):>9} of {p.nonzero:,}" for n, p in worst]
-        else:
-            lines.append("  no parameter loses any value to underflow unscaled")
-        return "\n".join(lines)
-
-
-def _pct(fraction: float) -> str:
-    return f"{100 * fraction:.4f}%"
+        worst = sorted([(n, p) for n, p in self.by_parameter.items() if p.underflow > 0], key=lambda x: -x[1].underflow)
+        if not worst:
+            return "\n".join([*lines, "  no parameter loses any value to underflow unscaled"])
+        width = max(len(n) for n, _ in worst[:10])
+        lines.append("  parameters losing the most values to underflow (unscaled):")
+        return "\n".join(lines + [f"    {n:<{width}}  {p.underflow:>9.4%} of {p.nonzero:,}" for n, p in worst[:10]])
 
 
 def gradient_underflow(
@@ -76,8 +68,8 @@ def gradient_underflow(
 ) -> UnderflowReport:
     """Count what casting the current gradients to ``dtype`` does, unscaled and times ``scale``.
 
-    A value underflows when ``grad.to(dtype)`` is exactly 0 (the real cast, not a threshold). Counting stays
-    on the gradients' device; the per-parameter counts reach the host in one transfer.
+    A nonzero value underflows when ``grad.to(dtype)`` is exactly 0: the real cast on the gradients' device, not a
+    threshold. The counts reach the host in one transfer.
 
     Args:
         model: a module with ``.grad`` filled, or ``(name, gradient)`` pairs.
@@ -100,30 +92,26 @@ def gradient_underflow(
     if isinstance(scale, (bool, str, bytes)) or not (isinstance(scale, (numbers.Real, torch.Tensor))
                                                      and math.isfinite(float(scale)) and float(scale) > 0):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
-    if isinstance(model, nn.Module):
-        grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    else:
-        grads = [(n, g) for n, g in model if g is not None]
+    pairs = ((n, p.grad) for n, p in model.named_parameters()) if isinstance(model, nn.Module) else model
+    grads = [(n, g) for n, g in pairs if g is not None]
     if not grads:
         raise ValueError("no gradients to analyse: run backward() first")
     tiny, device = torch.finfo(dtype).smallest_normal, grads[0][1].device
-    names, counts, magnitudes = [], [], []
-    for name, grad in grads:
+    counts, magnitudes = [], []
+    for _, grad in grads:
         g = _compat.dense_values(grad).detach().float().reshape(-1)
-        nonzero = g != 0
-        cast = g.to(dtype)
-        scaled = (g * scale).to(dtype)
+        nonzero, cast, scaled = g != 0, g.to(dtype), (g * scale).to(dtype)
         counts.append(torch.stack([nonzero.sum(), (nonzero & (cast == 0)).sum(), ((cast != 0) & (cast.abs() < tiny)).sum(),
-                                   (nonzero & (scaled == 0)).sum(), (torch.isfinite(g) & torch.isinf(scaled)).sum()]).to(device))
+                                   (nonzero & (scaled == 0)).sum(), (g.isfinite() & scaled.isinf()).sum()]).to(device))
         magnitudes.append(g[nonzero].abs().to(device))
-        names.append(name)
-    table = torch.stack(counts).tolist()
-    total = [sum(col) for col in zip(*table)]
+    table = torch.stack(counts).tolist()  # the one transfer
+    total = [sum(column) for column in zip(*table)]
     if total[0] == 0:
         raise ValueError("every gradient value is zero: nothing to analyse")
-    median = float(torch.cat(magnitudes).median())
-    by_parameter = {n: ParameterUnderflow(int(row[0]), row[1] / row[0] if row[0] else 0.0) for n, row in zip(names, table)}
-    return UnderflowReport(dtype, float(scale), int(total[0]), median, *(t / total[0] for t in total[1:]), by_parameter)
+    by_parameter = {name: ParameterUnderflow(int(row[0]), row[1] / row[0] if row[0] else 0.0)
+                    for (name, _), row in zip(grads, table)}
+    return UnderflowReport(dtype, float(scale), int(total[0]), float(torch.cat(magnitudes).median()),
+                           *(t / total[0] for t in total[1:]), by_parameter)
 
 
 def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dict:

@@ -1,10 +1,7 @@
-"""Loggers for ``fit(loggers=[...])``: any object with ``log_metrics(metrics, step)`` and an optional ``close()``.
+"""Loggers for ``fit(loggers=[...])``, which takes any object with a ``log_metrics(metrics, step)`` method.
 
-Only the main process logs: every ``log_every`` optimizer steps, values already booked (no host sync) under the step
-they are from (on CUDA up to two steps back): ``loss``, ``lr``, ``loss_scale`` (with a loss scaler), ``skipped``,
-``samples_per_s``; at each epoch's end the epoch's record (``train_loss``, ``val_loss``, the metrics,
-``data_fraction``, ...). ``fit`` does not close the loggers: a logger may serve several ``fit`` calls.
-"""
+Only the main process logs, every ``log_every`` optimizer steps (``loss``, ``lr``, ``loss_scale``...) and at each
+epoch's end. ``fit`` does not close a logger: one may serve several ``fit`` calls."""
 
 from __future__ import annotations
 
@@ -12,54 +9,39 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Mapping
 
-__all__ = ["Logger", "CSVLogger", "TensorBoardLogger"]
-
-
-class Logger(Protocol):
-    """What ``fit`` calls; ``close()`` is optional and called by you."""
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
+__all__ = ["CSVLogger", "TensorBoardLogger"]
 
 
 class CSVLogger:
-    """Rows of metrics in a CSV file: a ``step`` column, then one column per metric, empty where a row lacks it.
-
-    A metric seen for the first time adds a column, and the file is written anew with the wider header.
+    """Rows of metrics in a CSV file: ``step``, then a column per metric (a new metric rewrites the file wider).
 
     Args:
-        path: the file; its directory is made if needed. An existing file is replaced.
+        path: the file, replaced if it exists; its directory is made if needed.
     """
 
     def __init__(self, path: str | os.PathLike):
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            raise ValueError(f"CSVLogger needs a file path, got {path!r}")
         self.path = Path(path)
         self._columns: list[str] = ["step"]
         self._rows: list[dict] = []
-        self._written = False
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         row = {"step": step, **metrics}
         self._rows.append(row)
         new = [k for k in row if k not in self._columns]
         self._columns += new
-        if new or not self._written:
-            self._rewrite()
+        if new or len(self._rows) == 1:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(self.path.name + ".partial")
+            with partial.open("w", newline="") as f:
+                writer = csv.DictWriter(f, self._columns, restval="")
+                writer.writeheader()
+                writer.writerows(self._rows)
+            os.replace(partial, self.path)  # a reader never sees half a header
         else:
             with self.path.open("a", newline="") as f:
                 csv.DictWriter(f, self._columns, restval="").writerow(row)
-
-    def _rewrite(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + ".partial")
-        with partial.open("w", newline="") as f:
-            writer = csv.DictWriter(f, self._columns, restval="")
-            writer.writeheader()
-            writer.writerows(self._rows)
-        os.replace(partial, self.path)  # a reader never sees half a header
-        self._written = True
 
     def close(self) -> None:
         """Nothing to release: each row is on disk once logged."""

@@ -1,4 +1,5 @@
-"""gradient_underflow and the counters of the training stats."""
+"""gradient_underflow (the real cast, counted on each side of every boundary), fit's underflow_every, and the
+skip counters of the training stats."""
 
 import pytest
 import torch
@@ -12,8 +13,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWar
 
 
 SUB = 2.0**-24  # fp16's smallest subnormal
-
-
 LOSS_SCALE = 65536.0
 
 
@@ -81,6 +80,8 @@ def test_bad_arguments():
         gradient_underflow([("w", torch.ones(2))], torch.int8)
     with pytest.raises(ValueError, match="scale"):
         gradient_underflow([("w", torch.ones(2))], scale=0.0)
+    with pytest.raises(ValueError, match="every gradient value is zero"):
+        gradient_underflow([("w", torch.zeros(2))])
 
 
 def test_counters_after_injected_overflows():
@@ -115,8 +116,7 @@ def test_fit_records_underflow_every_n_steps():
 
 def test_underflow_measurement_with_all_zero_gradients(tmp_path):
     """fit(underflow_every=1) with all-zero gradients records an empty measurement."""
-    _, t = mk()
-    t.loss_fn = lambda o, y: 0 * o.sum()
+    _, t = mk(loss_fn=lambda o, y: 0 * o.sum())
     t.fit([batch(2), batch(3)], epochs=1, progress=False, underflow_every=1)
     assert t.global_step == 2
     assert len(t.underflow_history) == 2
