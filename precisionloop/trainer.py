@@ -25,7 +25,6 @@ from .policy import PrecisionPolicy
 from .precisions import get_policy, is_auto
 from .prepare import compile_mode, prepare_model
 from .results import StepResult, TrainStats
-from .tuning import autotune_trainer
 
 __all__ = ["Trainer", "StepResult", "TrainStats"]
 
@@ -344,3 +343,33 @@ class Trainer:
                 model or optimizer (then nothing is changed).
         """
         self.load_state_dict(checkpoint.read(path), source=f"checkpoint {path}")
+
+
+# --- autotune glue (to be merged) ---
+from . import tuning  # noqa: E402 - tuning never imports the trainer
+
+
+def _autotuned(cls, model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any, *,
+               candidates: Sequence[tuning.Candidate] | None = None, compile: bool = False, steps: int = 10,
+               warmup: int = 3, rounds: int = 3, tolerance: float = 0.05, **trainer_options: Any) -> "Trainer":
+    """A Trainer at the configuration :func:`precisionloop.autotune` picks on ``sample_batch``; its table is
+    ``trainer.autotune_result``. ``compile=True`` adds compiled candidates; the other options go to the Trainer."""
+    result = tuning.tune(cls, model, tuning.optimizer_like(optimizer, model), sample_batch, candidates=candidates,
+                         compile=compile, steps=steps, warmup=warmup, rounds=rounds, tolerance=tolerance,
+                         **trainer_options)
+    trainer = cls(model, optimizer, result.policy, compile=result.best.compile, **trainer_options)
+    trainer.autotune_result = result
+    return trainer
+
+
+Trainer.autotuned = classmethod(_autotuned)
+
+
+def autotune(model: nn.Module, optimizer_factory: Callable, sample_batch: Any, **options: Any) -> tuning.AutotuneResult:
+    """:func:`precisionloop.tuning.tune` with :class:`Trainer`: the fastest sound precision for ``model``, untouched.
+
+    Raises:
+        ValueError: bad arguments.
+        RuntimeError: every candidate was rejected.
+    """
+    return tuning.tune(Trainer, model, optimizer_factory, sample_batch, **options)
