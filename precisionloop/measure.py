@@ -1,7 +1,5 @@
-"""Time training steps in interleaved rounds of fresh instances (a median with its spread), and read peak memory.
-
-Each round builds every system afresh, as cuDNN picks kernels per instance. Imports torch and the stdlib only.
-"""
+"""Time training steps in interleaved rounds of fresh instances (cuDNN picks kernels per instance): a median with
+its spread, and CUDA's peak memory. Imports torch and the stdlib only."""
 
 from __future__ import annotations
 
@@ -16,24 +14,18 @@ import torch
 
 __all__ = [
     "NOISY_SPREAD", "METHODS", "Run", "Measurement", "time_steps", "time_block", "reset_memory", "peak_mb",
-    "interleaved", "choose_method", "describe_method", "paired_ratio", "format_time", "format_ratio",
+    "interleaved", "choose_method", "paired_ratio", "format_time", "format_ratio",
     "format_memory", "noisy_legend",
 ]
 
-NOISY_SPREAD = 0.10
-"""A measurement whose (max - min) / median over rounds exceeds this is flagged as noisy."""
-
-METHODS = ("pipelined", "alternating", "alone")
-"""How :func:`interleaved` times a round: ``pipelined=True``, ``blocks > 1``, or neither."""
+NOISY_SPREAD = 0.10  # a measurement whose (max - min) / median over rounds exceeds this is flagged as noisy
+METHODS = ("pipelined", "alternating", "alone")  # interleaved(pipelined=True), (blocks > 1), or neither
 
 
 @dataclasses.dataclass
 class Run:
-    """What a factory may return instead of a bare step.
-
-    ``context`` wraps the steps: a context manager, or a callable returning a fresh one (``policy.backend_flags``),
-    needed with ``blocks > 1``, which enters it once per block. ``teardown`` runs after the steps.
-    """
+    """What a factory may return instead of a bare step: ``context`` wraps the steps (a context manager, or a
+    callable returning a fresh one, as ``blocks > 1`` enters it per block); ``teardown`` runs after them."""
 
     step: Callable[[], object]
     context: ContextManager | Callable[[], ContextManager] | None = None
@@ -52,10 +44,8 @@ class Measurement:
 
     name: str
     rounds_ms: list[float] = dataclasses.field(default_factory=list)
-    peak_mb: float | None = None
-    """CUDA, timed alone: ``max_memory_allocated`` over the steady-state steps, highest round; else None."""
-    reserved_mb: float | None = None
-    """CUDA, timed alone: ``max_memory_reserved`` over the same steps, CUDA-graph pools included."""
+    peak_mb: float | None = None  # CUDA, timed alone: max_memory_allocated over the steady-state steps, top round
+    reserved_mb: float | None = None  # the same for max_memory_reserved, CUDA-graph pools included
     settings: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
 
@@ -65,16 +55,14 @@ class Measurement:
     max_ms = property(lambda self: max(self.rounds_ms) if self.rounds_ms else None)
 
     @property
-    def spread(self) -> float | None:
-        """(max - min) / median over the rounds."""
+    def spread(self) -> float | None:  # (max - min) / median
         return (self.max_ms - self.min_ms) / self.median_ms if self.median_ms else None
 
     @property
     def noisy(self) -> bool:
         return self.spread is not None and self.spread > NOISY_SPREAD
 
-    def to_dict(self) -> dict:
-        """A JSON-ready dict, the derived figures included."""
+    def to_dict(self) -> dict:  # JSON-ready, the derived figures included
         return {**dataclasses.asdict(self), "median_ms": self.median_ms, "min_ms": self.min_ms,
                 "max_ms": self.max_ms, "spread": self.spread, "noisy": self.noisy}
 
@@ -86,47 +74,42 @@ def _warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> N
     for _ in range(before):
         step()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        _sync(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup - before):
         step()
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
                timer: Callable[[], float] = time.perf_counter) -> list[float]:
-    """``warmup`` untimed steps, then ``iters`` step times in ms: CUDA events on CUDA, else ``timer`` (seconds)."""
+    """``warmup`` untimed steps, then ``iters`` step times in ms, each between two synchronisations."""
     _warm_up(step, warmup, device)
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            start = timer()
-            step()
-            times.append((timer() - start) * 1e3)
-        return times
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = timer()
         step()
-        end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events]
+        _sync(device)
+        times.append((timer() - start) * 1e3)
+    return times
 
 
 def time_block(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
                timer: Callable[[], float] = time.perf_counter) -> float:
-    """``warmup`` untimed steps, then ``iters`` back to back with one sync at the end: the block's ms over ``iters``.
-
-    As in a training loop, each step is queued while the one before runs: the steady state.
-    """
+    """``warmup`` untimed steps, then ``iters`` back to back, one sync at the end (a training loop's steady state):
+    the block's ms over ``iters``."""
     _warm_up(step, warmup, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     start = timer()
     for _ in range(iters):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     return (timer() - start) * 1e3 / iters
 
 
@@ -134,7 +117,7 @@ def reset_memory(device: torch.device) -> None:
     """Free what can be freed and, on CUDA, restart the peak-memory counters."""
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        _sync(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -142,6 +125,10 @@ def reset_memory(device: torch.device) -> None:
 def peak_mb(device: torch.device) -> float | None:
     """CUDA's peak allocated MB since the counters restarted; None off CUDA."""
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+
+
+def _as_run(made: Callable[[], object] | Run) -> Run:
+    return made if isinstance(made, Run) else Run(made)
 
 
 def _error_text(e: Exception) -> str:
@@ -152,8 +139,7 @@ def _run_alone(factory: Callable, iters: int, warmup: int, device: torch.device,
     """Build one instance and time it: (ms per step, peak MB, reserved MB), or its error as text."""
     try:
         reset_memory(device)
-        run = factory()
-        run = run if isinstance(run, Run) else Run(run)
+        run = _as_run(factory())
         try:
             with run.enter():
                 if pipelined:
@@ -177,8 +163,7 @@ def _alternating_round(factories: Mapping[str, Callable], iters: int, warmup: in
     try:
         for name, factory in factories.items():
             try:
-                run = factory()
-                runs[name] = run if isinstance(run, Run) else Run(run)
+                runs[name] = _as_run(factory())
                 with runs[name].enter():
                     for _ in range(warmup):
                         runs[name].step()
@@ -213,16 +198,13 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
     memory then). A system that raises gets ``error`` and is not run again.
 
     Args:
-        systems: name -> zero-argument factory building a fresh model and optimizer and returning a step
-            callable or a :class:`Run`.
-        iters: timed steps per system and round.
-        warmup: untimed steps first, per system and round.
-        on_run: called as ``on_run(round_index, name)`` before each system is built.
+        systems: name -> factory building a fresh model and optimizer, returning a step callable or a :class:`Run`.
+        iters, warmup: timed and untimed steps per system and round.
+        on_run: called as ``on_run(round_index, name)`` before each round's systems are built.
         timer: the clock off CUDA, in seconds.
 
     Raises:
-        ValueError: ``rounds`` or ``iters`` below 1, ``warmup`` below 0, ``blocks`` outside 1..iters or not 1
-            with ``pipelined``.
+        ValueError: ``rounds`` or ``iters`` below 1, ``warmup`` below 0, ``blocks`` outside 1..iters (or pipelined).
     """
     if rounds < 1 or iters < 1 or warmup < 0 or not 1 <= blocks <= iters or (pipelined and blocks != 1):
         raise ValueError(f"interleaved needs rounds >= 1, iters >= 1, warmup >= 0 and 1 <= blocks <= iters (1 when "
@@ -244,15 +226,11 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
             if isinstance(result, str):
                 m.error = result
                 continue
-            ms, peak, reserved = result
-            m.rounds_ms.append(ms)
-            m.peak_mb, m.reserved_mb = _highest(m.peak_mb, peak), _highest(m.reserved_mb, reserved)
+            m.rounds_ms.append(result[0])
+            if result[1] is not None:  # CUDA: the highest round's peaks
+                m.peak_mb, m.reserved_mb = max(m.peak_mb or 0, result[1]), max(m.reserved_mb or 0, result[2])
     reset_memory(device)
     return results
-
-
-def _highest(*values: float | None) -> float | None:
-    return max((v for v in values if v is not None), default=None)
 
 
 def choose_method(device: torch.device, compiled: bool) -> tuple[str, str]:
@@ -265,13 +243,6 @@ def choose_method(device: torch.device, compiled: bool) -> tuple[str, str]:
     return "alternating", "eager on CUDA: the host's speed drifts within a second, and alternating moves all alike"
 
 
-def describe_method(method: str, *, iters: int, blocks: int = 1) -> str:
-    """A sentence saying how a round times its systems under ``method``."""
-    return {"pipelined": f"pipelined: each system alone, its {iters} steps back to back, one sync at the end",
-            "alternating": f"alternating: the systems side by side, their timed steps in {blocks} alternating blocks",
-            "alone": "alone: one system after the other, the median step"}[method]
-
-
 def paired_ratio(a: Measurement, b: Measurement) -> tuple[float, float, float]:
     """(median, min, max) of ``a.rounds_ms[i] / b.rounds_ms[i]``, two measurements of one :func:`interleaved` call.
 
@@ -279,8 +250,7 @@ def paired_ratio(a: Measurement, b: Measurement) -> tuple[float, float, float]:
         ValueError: either has no rounds, or their round counts differ.
     """
     if not a.rounds_ms or len(a.rounds_ms) != len(b.rounds_ms):
-        raise ValueError(f"paired_ratio needs the same, non-zero number of rounds; got {len(a.rounds_ms)} "
-                         f"and {len(b.rounds_ms)}")
+        raise ValueError(f"paired_ratio needs the same rounds; got {len(a.rounds_ms)} and {len(b.rounds_ms)}")
     ratios = [x / y for x, y in zip(a.rounds_ms, b.rounds_ms)]
     return statistics.median(ratios), min(ratios), max(ratios)
 

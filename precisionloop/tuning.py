@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -51,7 +52,6 @@ class CandidateResult:
     skipped: int = 0
     drift: float | None = None
     rejected: str | None = None
-    note: str = ""
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ class AutotuneResult:
             drift = "-" if r.drift is None else f"{r.drift:.2e}"
             verdict = "CHOSEN" if r.candidate == self.best else f"rejected: {r.rejected}" if r.rejected else "ok"
             lines.append(f"{r.candidate.label:<{width}}  {measure.format_time(r.timing):>32}  "
-                         f"{measure.format_memory(r.timing):>8}  {r.skipped:>7}  {drift:>10}  {verdict}{r.note}")
+                         f"{measure.format_memory(r.timing):>8}  {r.skipped:>7}  {drift:>10}  {verdict}")
         lines.append(f"(loss drift: the largest gap to the strict-fp32 loss over the same steps, over the first loss; "
                      f"limit {self.tolerance:g})")
         legend = measure.noisy_legend(r.timing for r in self.results)
@@ -80,28 +80,19 @@ class AutotuneResult:
 
 def default_candidates(model: nn.Module, device: str | torch.device | None = None, *,
                        compile: bool = False) -> list[Candidate]:
-    """fp32, tf32, bf16 and fp16 (tf32 and fp16 only on CUDA), both layouts for conv models, compiled too if asked.
-
-    With ``compile``, where fp8 matmuls exist, ``FP8Policy()`` compiled too (eager, torchao's casts make it slower
-    than bf16).
-    """
+    """fp32, tf32, bf16 and fp16 (tf32 and fp16 only on CUDA), both layouts for conv models, compiled too if asked;
+    with ``compile``, ``FP8Policy()`` compiled where fp8 runs (eager, torchao's casts make it slower than bf16)."""
     device = resolve_device(device)
     precisions = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
     layouts = [True, False] if any(isinstance(m, nn.Conv2d) for m in model.modules()) else [None]
     compiles = [False, True] if compile else [False]
     candidates = [Candidate(p, layout, c) for p in precisions for layout in layouts for c in compiles]
-    if compile and _fp8_available(device):
-        candidates.append(Candidate("fp8", compile=True))
+    if compile:
+        with contextlib.suppress(ValueError):  # no torchao, or no fp8 matmuls on this device
+            fp8.require_torchao()
+            fp8.check_device(device, emulate=False)
+            candidates.append(Candidate("fp8", compile=True))
     return candidates
-
-
-def _fp8_available(device: torch.device) -> bool:
-    try:
-        fp8.require_torchao()
-        fp8.check_device(device, emulate=False)
-    except ValueError:
-        return False
-    return True
 
 
 def tune(trainer_cls: type, model: nn.Module, make_optimizer: OptimizerFactory, sample_batch: Any, *,
@@ -114,93 +105,80 @@ def tune(trainer_cls: type, model: nn.Module, make_optimizer: OptimizerFactory, 
     ``sample_batch`` in ``rounds`` interleaved rounds, a fresh copy each (:func:`measure.interleaved`). A candidate
     is rejected if it fails or skips a step, or if its loss at any step of the first round differs from strict
     fp32's by more than ``tolerance`` times the first loss. Within each other's spread the simpler candidate wins
-    (eager over compiled, the default layout over the other). ``model`` itself is not touched, nor the RNG.
+    (eager, then the default layout). ``model`` itself is not touched, nor the RNG.
 
     Args:
         trainer_cls: :class:`precisionloop.Trainer` or a subclass.
         make_optimizer: builds a fresh optimizer from parameters, e.g. ``lambda p: torch.optim.AdamW(p)``.
         sample_batch: one real batch, as ``Trainer.step`` takes it.
         candidates: what to try; :func:`default_candidates` (``compile`` passed on) when None.
-        steps: timed steps per round; they count towards the loss comparison, as ``warmup`` steps do.
+        steps: timed steps per round, counted in the loss comparison (``warmup`` steps too).
         trainer_options: further ``trainer_cls`` arguments (``device``, ``loss_fn``, ...); trials run on one process.
 
     Raises:
-        ValueError: no candidates, ``tolerance`` not above 0, or bad counts.
+        ValueError: bad counts (see :func:`measure.interleaved`).
         RuntimeError: every candidate was rejected.
     """
     device = resolve_device(trainer_options.get("device"))
     candidates = list(candidates) if candidates is not None else default_candidates(model, device, compile=compile)
-    if not candidates or not tolerance > 0:
-        raise ValueError(f"need a candidate and tolerance > 0; got {len(candidates)} candidates, tolerance={tolerance}")
     reference = Candidate("fp32", channels_last=False)
     options = {**trainer_options, "device": device, "distributed": None}
-    trials = {c: _Trial(trainer_cls, c, model, make_optimizer, sample_batch, options)
+    trials = {c: _trial(trainer_cls, c, model, make_optimizer, sample_batch, options)
               for c in dict.fromkeys([reference, *candidates])}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # trials reseed
-        timed = measure.interleaved({c.label: t.build for c, t in trials.items()}, rounds=rounds, iters=steps,
+        timed = measure.interleaved({c.label: build for c, (build, _) in trials.items()}, rounds=rounds, iters=steps,
                                     warmup=warmup, device=device)
-    results = [_judge(t, timed[c.label], trials[reference].losses, tolerance)
-               for c, t in trials.items() if c in candidates]
+    results = [_judge(c, seen, timed[c.label], trials[reference][1]["losses"], tolerance)
+               for c, (_, seen) in trials.items() if c in candidates]
     accepted = [r for r in results if r.rejected is None]
     if not accepted:
+        hint = ("\nonly the loss drift rejected them, on one sample batch, which a model that memorises it amplifies: "
+                "if the curves both fall, raise tolerance or time fewer steps"
+                if all(r.drift is not None and r.rejected.startswith("loss drift") for r in results) else "")
         raise RuntimeError("autotune: every candidate was rejected:\n" + "\n".join(
-            f"  {r.candidate.label}: {r.rejected}" for r in results) + _drift_hint(results, tolerance))
+            f"  {r.candidate.label}: {r.rejected}" for r in results) + hint)
     best = _choose(accepted, model, device)
     return AutotuneResult(best, best.policy(device), results, tolerance)
 
 
-class _Trial:
-    """A candidate's factory for :func:`measure.interleaved`: a fresh Trainer per round, the first round's losses."""
+def _trial(trainer_cls: type, candidate: Candidate, model: nn.Module, make_optimizer: OptimizerFactory, batch: Any,
+           options: dict) -> tuple[Callable[[], measure.Run], dict]:
+    """A factory for :func:`measure.interleaved` (a fresh Trainer each round), and what it saw: the first round's
+    losses and the most steps a round skipped."""
+    seen = {"losses": None, "skipped": 0}
 
-    def __init__(self, trainer_cls: type, candidate: Candidate, model: nn.Module, make_optimizer: OptimizerFactory,
-                 batch: Any, options: dict):
-        self.trainer_cls, self.candidate, self.model, self.make_optimizer = trainer_cls, candidate, model, make_optimizer
-        self.batch, self.options = batch, options
-        self.losses: list[float] | None = None
-        self.skipped = 0
-
-    def build(self) -> measure.Run:
+    def build() -> measure.Run:
         torch.manual_seed(0)  # the same dropout masks for every candidate and round
-        model = copy.deepcopy(self.model)
-        trainer = self.trainer_cls(model, self.make_optimizer(model.parameters()),
-                                   self.candidate.policy(self.options["device"]), compile=self.candidate.compile,
-                                   **self.options)
-        batch, results = trainer.to_device(self.batch), []
+        copied = copy.deepcopy(model)
+        trainer = trainer_cls(copied, make_optimizer(copied.parameters()), candidate.policy(options["device"]),
+                              compile=candidate.compile, **options)
+        on_device, results = trainer.to_device(batch), []
 
         def teardown() -> None:
-            self.skipped = max(self.skipped, trainer.stats.skipped)
-            if self.losses is None:
-                self.losses = [r.loss for r in results]
+            seen["skipped"] = max(seen["skipped"], trainer.stats.skipped)
+            seen["losses"] = seen["losses"] or [r.loss for r in results]
 
-        return measure.Run(lambda: results.append(trainer.step(batch)), teardown=teardown)
+        return measure.Run(lambda: results.append(trainer.step(on_device)), teardown=teardown)
+
+    return build, seen
 
 
-def _judge(trial: _Trial, timing: measure.Measurement, reference: list[float] | None,
+def _judge(candidate: Candidate, seen: dict, timing: measure.Measurement, reference: list[float] | None,
            tolerance: float) -> CandidateResult:
     """A candidate's verdict against the strict-fp32 losses."""
-    result = CandidateResult(trial.candidate, timing, skipped=trial.skipped)
+    result = CandidateResult(candidate, timing, skipped=seen["skipped"])
     if timing.error is not None:
         result.rejected = timing.error.splitlines()[0][:100]
     elif reference is None:
         result.rejected = "the strict-fp32 reference failed, so the loss cannot be compared"
     else:
         # Relative to the first loss: a ratio to the current loss blows up as training drives it to 0.
-        result.drift = max(abs(a - b) for a, b in zip(trial.losses, reference)) / max(abs(reference[0]), 1e-8)
-        if trial.skipped:
-            result.rejected = f"skipped {trial.skipped} of {len(trial.losses)} steps"
+        result.drift = max(abs(a - b) for a, b in zip(seen["losses"], reference)) / max(abs(reference[0]), 1e-8)
+        if result.skipped:
+            result.rejected = f"skipped {result.skipped} of {len(seen['losses'])} steps"
         elif not math.isfinite(result.drift) or result.drift > tolerance:
             result.rejected = f"loss drift {result.drift:.2e} > {tolerance:g}"
     return result
-
-
-def _drift_hint(results: list[CandidateResult], tolerance: float) -> str:
-    """When only the loss drift rejected them all: a way on."""
-    if not all(r.drift is not None and r.rejected.startswith("loss drift") for r in results):
-        return ""
-    closest = min(r.drift for r in results)
-    return (f"\nevery candidate's loss parted from strict fp32's by more than tolerance={tolerance:g} of the first "
-            f"loss (the closest by {closest:.3g}) on one sample batch, which a model that memorises its batch "
-            "amplifies; if the curves both fall, raise tolerance or time fewer steps")
 
 
 def _complexity(candidate: Candidate, model: nn.Module, device: torch.device) -> tuple[int, int]:
@@ -215,11 +193,7 @@ def _choose(accepted: list[CandidateResult], model: nn.Module, device: torch.dev
     """The fastest by median, unless a simpler candidate's spread overlaps the fastest's: then the simplest such."""
     fastest = min(accepted, key=lambda r: r.timing.median_ms)
     tied = [r for r in accepted if r.timing.min_ms <= fastest.timing.max_ms and fastest.timing.min_ms <= r.timing.max_ms]
-    chosen = min(tied, key=lambda r: (_complexity(r.candidate, model, device), r.timing.median_ms))
-    if chosen is not fastest:
-        chosen.note = f" (within the spread of {fastest.candidate.label}, and simpler)"
-        fastest.note = f" (faster by median, but within {chosen.candidate.label}'s spread)"
-    return chosen.candidate
+    return min(tied, key=lambda r: (_complexity(r.candidate, model, device), r.timing.median_ms)).candidate
 
 
 def optimizer_like(optimizer: torch.optim.Optimizer, model: nn.Module) -> OptimizerFactory:

@@ -214,13 +214,13 @@ def test_formatting_marks_noisy_measurements_and_explains_the_mark():
     assert measure.format_memory(Measurement("m")) == "n/a"
 
 
-def test_the_method_is_chosen_by_what_is_timed_and_described_by_name():
+def test_the_method_is_chosen_by_what_is_timed():
     cuda = torch.device("cuda")
     assert measure.choose_method(cuda, compiled=True)[0] == "pipelined"
     assert measure.choose_method(cuda, compiled=False)[0] == "alternating"
     assert measure.choose_method(CPU, compiled=True)[0] == measure.choose_method(CPU, compiled=False)[0] == "alone"
     assert all(measure.choose_method(d, c)[1] for d in (cuda, CPU) for c in (True, False))  # a reason each
-    assert all(measure.describe_method(m, iters=5, blocks=5).startswith(m + ":") for m in measure.METHODS)
+    assert {measure.choose_method(d, c)[0] for d in (cuda, CPU) for c in (True, False)} == set(measure.METHODS)
     assert measure.peak_mb(CPU) is None
 
 
