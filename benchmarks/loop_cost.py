@@ -29,8 +29,7 @@ import torch
 from torch import nn
 
 import precisionloop
-from precisionloop.measure import (Run, choose_method, describe_method, format_ratio, format_time, interleaved,
-                                   method_of, paired_ratio)
+from precisionloop.measure import Run, choose_method, format_ratio, format_time, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
 
 OPTIMIZERS = {
@@ -201,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.before_graph and not args.before:
         p.error("--before-graph times the --before package's graph_optimizer_step: give --before PATH")
     bench.check_output(p, "--json", args.json)
-    args.device = bench._parse_device(p, args.device)  # the recipe's: cuda, cuda:N or cpu, else a parser error
+    args.device = bench.parse_device(p, args.device)
     indices = [] if args.configs is None else [s.strip() for s in args.configs.split(",")]
     if not all(i.isdigit() and int(i) < len(DEFAULT_CONFIGS) for i in indices):
         p.error(f"--configs takes indices 0-{len(DEFAULT_CONFIGS) - 1} into: "
@@ -220,8 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
         blocks = 1 if pipelined else min(args.blocks or args.iters, args.iters)
         timings = interleaved(systems(config, args, before, fit=False), rounds=args.rounds, iters=args.iters,
                               warmup=args.warmup, device=args.device, pipelined=pipelined, blocks=blocks)
-        method = describe_method(method_of(blocks, pipelined), iters=args.iters, blocks=blocks)
-        print(f"\n{config.label}: steps timed {method}", flush=True)
+        method = timings[next(iter(timings))].settings["method"]
+        print(f"\n{config.label}: steps timed {method}" + (f" in {blocks} blocks" if blocks > 1 else ""), flush=True)
         fits = {} if args.no_fit else interleaved(systems(config, args, before, fit=True), rounds=args.rounds,
                                                   iters=args.fit_epochs, warmup=2, device=args.device,
                                                   blocks=min(args.blocks or args.fit_epochs, args.fit_epochs))

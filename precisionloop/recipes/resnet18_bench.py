@@ -30,7 +30,7 @@ from precisionloop.recipes import max_batch, models
 from precisionloop.tuning import Candidate
 
 __all__ = ["Result", "environment", "check_output", "parse_device", "build_model", "make_model", "make_batch",
-           "random_batch", "loss_of", "make_optimizer", "hand_loop_step", "policy_for", "compile_for",
+           "random_batch", "loss_of", "make_optimizer", "hand_loop_step", "policy_for", "compile_for", "graphed",
            "system_factory", "settings_of", "format_table", "format_wrapper_cost", "parse_args", "main"]
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -145,6 +145,11 @@ def compile_for(policy: PrecisionPolicy, args, device: torch.device) -> bool | s
     return args.compile or (device.type == "cuda" and isinstance(policy, FP8Policy))
 
 
+def graphed(policy: PrecisionPolicy, args, device: torch.device) -> bool:
+    """Whether the steps replay CUDA graphs (compiled "reduce-overhead", the CUDA default), marked per step."""
+    return device.type == "cuda" and compile_for(policy, args, device) in (True, "reduce-overhead", "max-autotune")
+
+
 def _trainer(policy: PrecisionPolicy, batch_size: int, args, device: torch.device):
     """A fresh model, optimizer and Trainer as every system builds them, and the batch on its device."""
     model = make_model(args)
@@ -161,7 +166,7 @@ def system_factory(system: str, policy: PrecisionPolicy, batch_size: int, args, 
         trainer, batch = _trainer(policy, batch_size, args, device)
         step = lambda: trainer.step(batch)  # noqa: E731
         if system == "hand":
-            step = hand_loop_step(trainer.model, batch, policy, device, args.fused, bool(trainer.compile_mode),
+            step = hand_loop_step(trainer.model, batch, policy, device, args.fused, graphed(policy, args, device),
                                   loss_of(args), args.optimizer)
         return Run(step, context=policy.backend_flags, teardown=lambda: skipped.append(trainer.stats.skipped))
 
