@@ -19,7 +19,7 @@ from .precisions import get_policy
 
 __all__ = ["Candidate", "CandidateResult", "AutotuneResult", "default_candidates", "tune", "optimizer_like"]
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+_OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ def default_candidates(model: nn.Module, device: str | torch.device | None = Non
     return candidates
 
 
-def tune(trainer_cls: type, model: nn.Module, make_optimizer: OptimizerFactory, sample_batch: Any, *,
+def tune(trainer_cls: type, model: nn.Module, make_optimizer: _OptimizerFactory, sample_batch: Any, *,
          candidates: Sequence[Candidate] | None = None, compile: bool = False, steps: int = 10, warmup: int = 3,
          rounds: int = 3, tolerance: float = 0.05, **trainer_options: Any) -> AutotuneResult:
     """Train copies of ``model`` for a few steps under each candidate and pick the fastest sound one.
@@ -141,7 +141,7 @@ def tune(trainer_cls: type, model: nn.Module, make_optimizer: OptimizerFactory, 
     return AutotuneResult(best, best.policy(device), results, tolerance)
 
 
-def _trial(trainer_cls: type, candidate: Candidate, model: nn.Module, make_optimizer: OptimizerFactory, batch: Any,
+def _trial(trainer_cls: type, candidate: Candidate, model: nn.Module, make_optimizer: _OptimizerFactory, batch: Any,
            options: dict) -> tuple[Callable[[], measure.Run], dict]:
     """A factory for :func:`measure.interleaved` (a fresh Trainer each round), and what it saw: the first round's
     losses and the most steps a round skipped."""
@@ -196,7 +196,7 @@ def _choose(accepted: list[CandidateResult], model: nn.Module, device: torch.dev
     return min(tied, key=lambda r: (_complexity(r.candidate, model, device), r.timing.median_ms)).candidate
 
 
-def optimizer_like(optimizer: torch.optim.Optimizer, model: nn.Module) -> OptimizerFactory:
+def optimizer_like(optimizer: torch.optim.Optimizer, model: nn.Module) -> _OptimizerFactory:
     """A factory of fresh optimizers of ``optimizer``'s class and per-group settings, for a copy of ``model``.
 
     The copy's parameters are matched to the groups by their position in ``model.parameters()``.

@@ -11,7 +11,7 @@ import torch
 
 __all__ = ["Allocator", "SearchResult", "search", "recovering", "describe", "format_table"]
 
-MB = 2**20
+_MB = 2**20
 _OOM_MESSAGES = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
                  "CUDNN_STATUS_ALLOC_FAILED")
 
@@ -114,7 +114,7 @@ def recovering(run: Callable[[int], float], allocator: Allocator) -> Callable[[i
             peak = None  # leaving the handler drops the exception and the frames of the failed step
         left = _settle(allocator) - baseline
         if left:
-            raise RuntimeError(f"{left / MB:.1f} MB is still allocated after the try at batch {batch} "
+            raise RuntimeError(f"{left / _MB:.1f} MB is still allocated after the try at batch {batch} "
                                f"({'out of memory' if peak is None else 'it fitted'}); the search stopped")
         return peak
 

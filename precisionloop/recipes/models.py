@@ -29,7 +29,7 @@ def describe(sizes: dict) -> str:
     return f"{sizes['layers']} layers, d_model {sizes['d_model']}, d_ff {sizes['d_ff']}, {sizes['heads']} heads, {count} parameters"
 
 
-class CausalSelfAttention(nn.Module):
+class _CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention from four ``nn.Linear`` layers and ``scaled_dot_product_attention``."""
 
     def __init__(self, d_model: int, heads: int):
@@ -47,13 +47,13 @@ class CausalSelfAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
-class Block(nn.Module):
+class _Block(nn.Module):
     """A pre-norm Transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, d_model: int, d_ff: int, heads: int):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, heads)
+        self.attn = _CausalSelfAttention(d_model, heads)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
 
@@ -75,7 +75,7 @@ class TransformerStack(nn.Module):
         self.seq_len = seq_len
         self.tokens = nn.Embedding(vocab, d_model)
         self.positions = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.Sequential(*(Block(d_model, d_ff, heads) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(_Block(d_model, d_ff, heads) for _ in range(layers)))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
 

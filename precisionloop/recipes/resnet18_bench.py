@@ -29,7 +29,7 @@ from precisionloop.measure import (METHODS, Measurement, Run, choose_method, for
 from precisionloop.recipes import max_batch, models
 from precisionloop.tuning import Candidate
 
-__all__ = ["Result", "environment", "check_output", "parse_device", "build_model", "make_model", "make_batch",
+__all__ = ["PRECISIONS", "TRANSFORMER", "OPTIMIZERS", "Result", "environment", "check_output", "parse_device", "build_model", "make_model", "make_batch",
            "random_batch", "loss_of", "make_optimizer", "hand_loop_step", "policy_for", "compile_for", "graphed",
            "system_factory", "settings_of", "format_table", "format_wrapper_cost", "parse_args", "main"]
 
@@ -179,18 +179,18 @@ def settings_of(args) -> dict:
             "compile": args.compile or False, "channels_last": args.channels_last, "optimizer": args.optimizer}
 
 
-def method_for(args, device: torch.device, compiled: bool) -> tuple[str, str]:
+def _method_for(args, device: torch.device, compiled: bool) -> tuple[str, str]:
     """(method, why): the one --method asks for, or the one what is timed calls for."""
     return (args.method, "asked for") if args.method != "auto" else choose_method(device, compiled)
 
 
-def measure_config(precision: str, batch_size: int, args, device: torch.device, systems: list[str],
+def _measure_config(precision: str, batch_size: int, args, device: torch.device, systems: list[str],
                    on_run=None) -> list[Result]:
     """Time ``systems`` at one precision and batch size in interleaved rounds."""
     policy = policy_for(precision, args)
     skipped: dict[str, list[int]] = {s: [] for s in systems}
     factories = {s: system_factory(s, policy, batch_size, args, device, skipped[s]) for s in systems}
-    method, why = method_for(args, device, bool(compile_for(policy, args, device)))
+    method, why = _method_for(args, device, bool(compile_for(policy, args, device)))
     measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=device,
                            on_run=on_run, pipelined=method == "pipelined",
                            blocks=args.iters if method == "alternating" else 1)
@@ -243,7 +243,7 @@ def format_wrapper_cost(results: list[Result]) -> str:
             "median [min-max]:\n  " + "\n  ".join(parts)) if parts else ""
 
 
-def write_plot(results: list[Result], path: str, title: str) -> None:
+def _write_plot(results: list[Result], path: str, title: str) -> None:
     """Bars of the step time (min-max whiskers) and the peak memory per precision and batch size."""
     try:
         import matplotlib
@@ -275,7 +275,7 @@ def write_plot(results: list[Result], path: str, title: str) -> None:
     print(f"plot written to {path}")
 
 
-def run_autotune(args: argparse.Namespace, device: torch.device) -> list[Result]:
+def _run_autotune(args: argparse.Namespace, device: torch.device) -> list[Result]:
     """Let the library choose per batch size among --precisions; its choice is reported as system "autotune"."""
     results = []
     for bs in args.batch_sizes:
@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         f"{args.rounds} rounds of {args.warmup} warm-up + {args.iters} timed steps per system, a fresh model and "
         "optimizer each; median over rounds [min-max]")
     for precision in args.precisions:
-        method, why = method_for(args, device, bool(compile_for(policy_for(precision, args), args, device)))
+        method, why = _method_for(args, device, bool(compile_for(policy_for(precision, args), args, device)))
         say(f"timing {precision}: {method} ({why})")
     systems = ["precisionloop"] + ([] if args.no_hand_loop else ["hand"])
     configs = [(p, bs) for bs in args.batch_sizes for p in args.precisions]
@@ -420,9 +420,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     with tqdm(total=len(configs) * args.rounds * len(systems), desc="runs", file=sys.stderr, leave=False,
               disable=int(os.environ.get("RANK", "0")) != 0) as bar:
         for precision, bs in configs:
-            results += measure_config(precision, bs, args, device, systems, on_run=lambda r, name: bar.update())
+            results += _measure_config(precision, bs, args, device, systems, on_run=lambda r, name: bar.update())
     if args.autotune:
-        results += run_autotune(args, device)
+        results += _run_autotune(args, device)
     say(f"\nprecisionloop Trainer.step (below each block: speed-up and memory change vs {args.baseline}):")
     say(format_table(results, "precisionloop", args.precisions, args.batch_sizes, args.baseline))
     for r in results:
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
                        "results": [{**r.to_dict(), "system": r.system} for r in results]}, f, indent=2)
         say(f"results written to {args.json}")
     if args.plot:
-        write_plot(results, args.plot, f"{args.model} on {env['device_name']}")
+        _write_plot(results, args.plot, f"{args.model} on {env['device_name']}")
     return results
 
 
