@@ -368,6 +368,11 @@ Trainer.autotuned = classmethod(_autotuned)
 def autotune(model: nn.Module, optimizer_factory: Callable, sample_batch: Any, **options: Any) -> tuning.AutotuneResult:
     """:func:`precisionloop.tuning.tune` with :class:`Trainer`: the fastest sound precision for ``model``, untouched.
 
+    Args:
+        optimizer_factory: builds a fresh optimizer from parameters, e.g. ``lambda p: torch.optim.AdamW(p)``.
+        sample_batch: one real batch, as ``Trainer.step`` takes it.
+        options: ``tune``'s (``candidates``, ``compile``, ``steps``, ``tolerance``, ...) and the Trainer's.
+
     Raises:
         ValueError: bad arguments.
         RuntimeError: every candidate was rejected.
