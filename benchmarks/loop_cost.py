@@ -2,7 +2,6 @@
 
     PYTHONPATH=. python benchmarks/loop_cost.py --json loop_cost.json
     PYTHONPATH=. python benchmarks/loop_cost.py --before path/to/old/precisionloop   # also an older copy, same process
-    PYTHONPATH=. python benchmarks/loop_cost.py --before path/to/old/precisionloop --before-graph  # and its graph step
     PYTHONPATH=. python benchmarks/loop_cost.py --profile                            # where the host time goes
 
 For each configuration the hand loop (autocast, backward, optimizer step, no skip check),
@@ -76,13 +75,12 @@ def _hand(config: Config, args) -> Run:
     return Run(step, context=precisionloop.get_policy(config.precision).backend_flags)
 
 
-def _trainer(package, config: Config, args, fit: bool, graph: bool = False) -> Run:
-    """``package.Trainer``'s step or fit epoch; ``graph``: graph_optimizer_step=True, which only older packages take."""
+def _trainer(package, config: Config, args, fit: bool) -> Run:
+    """``package.Trainer``'s step or fit epoch."""
     model = bench.build_model(args.model)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters())
-    extra = {"graph_optimizer_step": True} if graph else {}
     trainer = package.Trainer(model, optimizer, config.precision, device=args.device, compile=config.compile,
-                              distributed=None, **extra)
+                              distributed=None)
     batch = trainer.to_device(bench.random_batch(config.batch_size, args.image_size, args.device))
     if not fit:
         return Run(lambda: trainer.step(batch))
@@ -106,14 +104,12 @@ def _hand_epoch(config: Config, args) -> Run:
 
 
 def systems(config: Config, args, before, fit: bool) -> dict:
-    """The hand loop, this package's Trainer and, with --before, the older one's (with --before-graph, graphed too)."""
+    """The hand loop, this package's Trainer and, with --before, the older one's."""
     kind = "fit" if fit else "step"
     out = {"hand": lambda: (_hand_epoch if fit else _hand)(config, args),
            kind: lambda: _trainer(precisionloop, config, args, fit)}
     if before is not None:
         out[f"{kind}-before"] = lambda: _trainer(before, config, args, fit)
-        if args.before_graph:
-            out[f"{kind}-before+graph"] = lambda: _trainer(before, config, args, fit, graph=True)
     return out
 
 
@@ -181,9 +177,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
-    p.add_argument("--before-graph", action="store_true",
-                   help="with --before, also time its Trainer with graph_optimizer_step=True "
-                        "(step-before+graph, fit-before+graph)")
     p.add_argument("--no-fit", action="store_true", help="time the step systems only")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the hand loop and Trainer.step (and --before's) for the first configuration")
@@ -197,8 +190,6 @@ def main(argv: list[str] | None = None) -> dict:
                              ("--fit-epochs", args.fit_epochs, 1), ("--image-size", args.image_size, 16)):
         if value is not None and value < low:  # before any timing, so nothing measured is lost
             p.error(f"{flag} must be >= {low}, got {value}")
-    if args.before_graph and not args.before:
-        p.error("--before-graph times the --before package's graph_optimizer_step: give --before PATH")
     bench.check_output(p, "--json", args.json)
     args.device = bench.parse_device(p, args.device)
     indices = [] if args.configs is None else [s.strip() for s in args.configs.split(",")]
