@@ -1,4 +1,4 @@
-"""Does fp8 pay, and does autotune know when? bf16 against fp8 (its layer sets), and fp8's loss.
+"""Does fp8 pay, and does autotune know when? bf16 against fp8 at its default layers, and fp8's loss.
 
     PYTHONPATH=. python benchmarks/fp8.py --part transformer,resnet18 --json fp8.json
     PYTHONPATH=. python benchmarks/fp8.py --part vit_b_16,loss
@@ -11,9 +11,8 @@ Parts (comma-separated with --part):
   bf16 compiled against ``Trainer`` ``FP8Policy()`` compiled in interleaved rounds, a fresh instance each,
   pipelined on CUDA (``measure.time_block``); fp8's speed-up, paired per round.
 - ``transformer``: the Transformer stack at ``--size``, ``precisionloop.autotune`` over bf16 compiled and
-  fp8 compiled. autotune makes fp8 two layer sets (``FP8Policy()``'s default layers and every
-  layer fp8 can take) and times them in interleaved rounds (plus its strict-fp32 loss
-  reference); the speed-ups are paired per round against bf16 compiled.
+  ``FP8Policy()`` compiled, timed in interleaved rounds (plus its strict-fp32 loss reference); the
+  speed-ups are paired per round against bf16 compiled.
 - ``vit_b_16``: the same for torchvision's vit_b_16 at batch 128.
 - ``resnet18``: the same for ResNet18 at batch 128; fp8 has no layer to convert there.
 - ``loss``: 200 steps of the Transformer stack on a fixed synthetic task (noisy bigrams: the next
@@ -22,7 +21,7 @@ Parts (comma-separated with --part):
   mean of the last 20 steps (the task is noisy by design, so one step's loss is not a measurement),
   and fp8's over bf16's; at ``--size``.
 
-Every system is the library's own step (autotune's trials, ``Trainer.step``) with fused AdamW.
+Every system is ``Trainer.step`` (autotune's trials too) with AdamW, fused on CUDA.
 Needs CUDA with compute capability 8.9+ and torchao for fp8; elsewhere fp8 is declined and said so.
 """
 
@@ -38,8 +37,8 @@ from torch import nn
 
 from precisionloop import FP8Policy, Trainer, autotune, get_policy
 from precisionloop import fp8 as fp8_module
-from precisionloop.measure import (Run, choose_method, describe_method, format_memory, format_ratio, format_time,
-                                   interleaved, paired_ratio)
+from precisionloop.measure import (Run, choose_method, format_memory, format_ratio, format_time, interleaved,
+                                   paired_ratio)
 from precisionloop.recipes import models
 from precisionloop.recipes import resnet18_bench as bench
 from precisionloop.tuning import Candidate
@@ -73,16 +72,15 @@ def tune(part: str, args, device: torch.device) -> dict:
     """autotune over bf16 and fp8, both compiled; each candidate's time and its speed-up over bf16 compiled."""
     model, batch, loss_fn = _model_and_batch(part, args, device)
     print(f"\n== {part}: autotune over bf16 and fp8, compiled ({args.rounds} rounds of {args.warmup}+{args.iters} steps)")
-    result = autotune(model, adamw, batch, [Candidate("bf16", compile=True), Candidate("fp8", compile=True)],
+    result = autotune(model, adamw, batch, candidates=[Candidate("bf16", compile=True), Candidate("fp8", compile=True)],
                       device=device, loss_fn=loss_fn, steps=args.iters, warmup=args.warmup, rounds=args.rounds,
                       tolerance=args.tolerance)
     base = next(r for r in result.results if r.candidate == Candidate("bf16", compile=True))
     rows = []
     for r in result.results:
-        row = {"candidate": r.candidate.label, "layers": dict(r.candidate.options).get("layers"),
-               "timing": r.timing.to_dict() if r.timing else None, "rejected": r.rejected, "drift": r.drift,
+        row = {"candidate": r.candidate.label, "timing": r.timing.to_dict(), "rejected": r.rejected, "drift": r.drift,
                "chosen": r.candidate == result.best}
-        if r.timing is not None and r.timing.rounds_ms and base.timing.rounds_ms and r is not base:
+        if r.timing.rounds_ms and base.timing.rounds_ms and r is not base:
             median, low, high = paired_ratio(r.timing, base.timing)  # candidate / bf16 time, per round
             row["speedup_vs_bf16"] = [1 / median, 1 / high, 1 / low]  # median, min, max
             print(f"  {r.candidate.label}: {format_ratio(tuple(row['speedup_vs_bf16']))} the speed of bf16 compiled"
@@ -127,14 +125,14 @@ def speed(args, device: torch.device) -> dict:
     print(f"\n== speed: {models.describe(sizes)}, batch {args.seq_batch} x {sizes['seq_len']} tokens, bf16 against fp8, "
           f"Trainer {'compiled' if device.type == 'cuda' else 'eager'}, {args.rounds} rounds of {args.warmup}+{args.iters} "
           "steps\n"
-          f"  timing: {describe_method(method, iters=args.iters)} (why: {why})")
+          f"  timing: {method} (why: {why})")
     policies = _policies(args, device)
     timed = interleaved({name: _trainer_factory(p, args, device) for name, p in policies.items()}, rounds=args.rounds,
                         iters=args.iters, warmup=args.warmup, device=device, pipelined=method == "pipelined")
     for name, m in timed.items():
         reserved = f", reserved {m.reserved_mb:.0f} MB" if m.reserved_mb is not None else ""
         print(f"  {name}: {format_time(m)}, peak {format_memory(m)}{reserved}" + (f"; error: {m.error}" if m.error else ""))
-    out = {"sizes": sizes, "parameters": models.parameter_count(**sizes), "batch": args.seq_batch, "method": method,
+    out = {"sizes": sizes, "model": models.describe(sizes), "batch": args.seq_batch, "method": method,
            "timings": {name: m.to_dict() for name, m in timed.items()}, "speedup_fp8_vs_bf16": None}
     bf16, fp8 = timed["bf16"], timed.get("fp8")
     if fp8 is not None and fp8.rounds_ms and len(fp8.rounds_ms) == len(bf16.rounds_ms):

@@ -2,9 +2,8 @@
 
     PYTHONPATH=. python benchmarks/lightning_fit.py --precisions bf16 --batch-sizes 128 --image-dtypes uint8 --json lightning-fit.json
 
-Every flag is ``resnet18_bench --loader``'s (``--images``, ``--workers``, ``--pin-memory``, ``--image-dtypes``,
-``--compile``, ...). Beside that mode's systems (the loader alone, the resident step, a hand loop, ``fit`` with and
-without the device feed) it times Lightning's ``Trainer.fit`` on the same loader in the same rounds, twice: at its
+Every flag is ``loader_bench.py``'s (``--images``, ``--workers``, ``--pin-memory``, ``--image-dtypes``,
+``--compile``, ...). Beside its systems (the loader alone, the resident step, a hand loop, ``fit``) it times Lightning's ``Trainer.fit`` on the same loader in the same rounds, twice: at its
 default layout (NCHW) and with the model and inputs in channels_last, as an expert user writes it; with
 ``--compile`` its model is compiled in precisionloop's mode. Lightning runs at ``bf16-mixed``, ``16-mixed`` or
 ``32-true`` with the TF32 and cudnn.benchmark settings of precisionloop's policy, the same model and fused SGD, and
@@ -31,9 +30,7 @@ import warnings
 import torch
 from torch import nn
 
-from precisionloop import normalize_uint8
-from precisionloop.prepare import compile_mode
-from precisionloop.recipes import loader_bench
+import loader_bench  # the sibling script
 from precisionloop.recipes import resnet18_bench as bench
 
 LIGHTNING = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -44,9 +41,10 @@ def lightning_systems(args, precision: str, loader) -> dict:
     import lightning as L
 
     policy = bench.policy_for(precision, args)
-    mode = compile_mode(bench.compile_for(policy, args, args.device), args.device)
+    compile = bench.compile_for(policy, args, args.device)  # the Trainer's choice for True: CUDA graphs on CUDA
+    mode = ("reduce-overhead" if args.device.type == "cuda" else "default") if compile is True else compile or None
     uint8 = loader.dataset.images.dtype == torch.uint8
-    transform = normalize_uint8(loader_bench.MEAN, loader_bench.STD) if uint8 else None
+    transform = loader_bench.normalizer(args.device) if uint8 else None
     tf32 = getattr(policy, "tf32", True)
     benchmark = tf32 if policy.cudnn_benchmark is None else policy.cudnn_benchmark
     classifier, clock = _lightning_classes(args, mode)
@@ -101,11 +99,11 @@ def _lightning_classes(args, mode: str | None) -> tuple[type, type]:
         seconds = float("nan")
 
         def on_train_epoch_start(self, trainer, module):
-            loader_bench._sync(args.device)
+            loader_bench.sync(args.device)
             self.began = time.perf_counter()
 
         def on_train_epoch_end(self, trainer, module):
-            loader_bench._sync(args.device)
+            loader_bench.sync(args.device)
             self.seconds = time.perf_counter() - self.began
 
     return Classifier, Clock
@@ -159,11 +157,11 @@ def _flag_settings() -> list[tuple[object, str]]:
 
 
 def main(argv: list[str] | None = None) -> list[loader_bench.Row]:
-    """Run the benchmark with ``resnet18_bench --loader``'s flags (``sys.argv`` by default); returns its rows."""
+    """Run the benchmark with ``loader_bench.py``'s flags (``sys.argv`` by default); returns its rows."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(__doc__.strip() + "\n\nThe flags below are resnet18_bench's; --loader is given already.\n")
-    args = bench.parse_args(["--loader", *argv])
+        print(__doc__.strip() + "\n\nThe flags below are loader_bench.py's.\n")
+    args = loader_bench.parse_args(argv)
     if any(p not in LIGHTNING for p in args.precisions):
         raise SystemExit(f"--precisions: Lightning runs {', '.join(LIGHTNING)}, got {','.join(args.precisions)}")
     if args.device.type == "cpu" and "fp16" in args.precisions:  # it would train bf16 and call it fp16
@@ -176,7 +174,7 @@ def main(argv: list[str] | None = None) -> list[loader_bench.Row]:
         logging.getLogger(name).setLevel(logging.ERROR)  # its banner per Trainer ("GPU available", ...)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module="lightning")  # its advice on workers, per fit
-        return loader_bench.main(args, peers=lightning_systems)
+        return loader_bench.run(args, peers=lightning_systems)
 
 
 if __name__ == "__main__":

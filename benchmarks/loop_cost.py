@@ -2,7 +2,6 @@
 
     PYTHONPATH=. python benchmarks/loop_cost.py --json loop_cost.json
     PYTHONPATH=. python benchmarks/loop_cost.py --before path/to/old/precisionloop   # also an older copy, same process
-    PYTHONPATH=. python benchmarks/loop_cost.py --before path/to/old/precisionloop --before-graph  # and its graph step
     PYTHONPATH=. python benchmarks/loop_cost.py --profile                            # where the host time goes
 
 For each configuration the hand loop (autocast, backward, optimizer step, no skip check),
@@ -29,8 +28,7 @@ import torch
 from torch import nn
 
 import precisionloop
-from precisionloop.measure import (Run, choose_method, describe_method, format_ratio, format_time, interleaved,
-                                   method_of, paired_ratio)
+from precisionloop.measure import Run, choose_method, format_ratio, format_time, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
 
 OPTIMIZERS = {
@@ -77,13 +75,12 @@ def _hand(config: Config, args) -> Run:
     return Run(step, context=precisionloop.get_policy(config.precision).backend_flags)
 
 
-def _trainer(package, config: Config, args, fit: bool, graph: bool = False) -> Run:
-    """``package.Trainer``'s step or fit epoch; ``graph``: graph_optimizer_step=True, which only older packages take."""
+def _trainer(package, config: Config, args, fit: bool) -> Run:
+    """``package.Trainer``'s step or fit epoch."""
     model = bench.build_model(args.model)
     optimizer = OPTIMIZERS[config.optimizer](model.parameters())
-    extra = {"graph_optimizer_step": True} if graph else {}
     trainer = package.Trainer(model, optimizer, config.precision, device=args.device, compile=config.compile,
-                              distributed=None, **extra)
+                              distributed=None)
     batch = trainer.to_device(bench.random_batch(config.batch_size, args.image_size, args.device))
     if not fit:
         return Run(lambda: trainer.step(batch))
@@ -107,14 +104,12 @@ def _hand_epoch(config: Config, args) -> Run:
 
 
 def systems(config: Config, args, before, fit: bool) -> dict:
-    """The hand loop, this package's Trainer and, with --before, the older one's (with --before-graph, graphed too)."""
+    """The hand loop, this package's Trainer and, with --before, the older one's."""
     kind = "fit" if fit else "step"
     out = {"hand": lambda: (_hand_epoch if fit else _hand)(config, args),
            kind: lambda: _trainer(precisionloop, config, args, fit)}
     if before is not None:
         out[f"{kind}-before"] = lambda: _trainer(before, config, args, fit)
-        if args.before_graph:
-            out[f"{kind}-before+graph"] = lambda: _trainer(before, config, args, fit, graph=True)
     return out
 
 
@@ -182,9 +177,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
-    p.add_argument("--before-graph", action="store_true",
-                   help="with --before, also time its Trainer with graph_optimizer_step=True "
-                        "(step-before+graph, fit-before+graph)")
     p.add_argument("--no-fit", action="store_true", help="time the step systems only")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the hand loop and Trainer.step (and --before's) for the first configuration")
@@ -198,10 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
                              ("--fit-epochs", args.fit_epochs, 1), ("--image-size", args.image_size, 16)):
         if value is not None and value < low:  # before any timing, so nothing measured is lost
             p.error(f"{flag} must be >= {low}, got {value}")
-    if args.before_graph and not args.before:
-        p.error("--before-graph times the --before package's graph_optimizer_step: give --before PATH")
     bench.check_output(p, "--json", args.json)
-    args.device = bench._parse_device(p, args.device)  # the recipe's: cuda, cuda:N or cpu, else a parser error
+    args.device = bench.parse_device(p, args.device)
     indices = [] if args.configs is None else [s.strip() for s in args.configs.split(",")]
     if not all(i.isdigit() and int(i) < len(DEFAULT_CONFIGS) for i in indices):
         p.error(f"--configs takes indices 0-{len(DEFAULT_CONFIGS) - 1} into: "
@@ -220,8 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
         blocks = 1 if pipelined else min(args.blocks or args.iters, args.iters)
         timings = interleaved(systems(config, args, before, fit=False), rounds=args.rounds, iters=args.iters,
                               warmup=args.warmup, device=args.device, pipelined=pipelined, blocks=blocks)
-        method = describe_method(method_of(blocks, pipelined), iters=args.iters, blocks=blocks)
-        print(f"\n{config.label}: steps timed {method}", flush=True)
+        method = timings[next(iter(timings))].settings["method"]
+        print(f"\n{config.label}: steps timed {method}" + (f" in {blocks} blocks" if blocks > 1 else ""), flush=True)
         fits = {} if args.no_fit else interleaved(systems(config, args, before, fit=True), rounds=args.rounds,
                                                   iters=args.fit_epochs, warmup=2, device=args.device,
                                                   blocks=min(args.blocks or args.fit_epochs, args.fit_epochs))

@@ -30,9 +30,8 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import FP32Policy
-from precisionloop.measure import Run, describe_method, format_memory, format_ratio, format_time, interleaved, paired_ratio
+from precisionloop.measure import Run, format_memory, format_ratio, format_time, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
-from precisionloop.recipes import timing
 
 FABRIC = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 ACCELERATE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -125,14 +124,16 @@ def measure_group(bs: int, key: str, args, peers: list[tuple[str, str, bool]], p
                 precision_of[name] = p
     if not factories:  # a peer precision of ours not asked for, and the peers not installed (fp16 on the CPU)
         return []
+    method = method_of(args)
     measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=args.device,
-                           on_run=on_run, **timing.interleaved_kwargs(method_of(args), args))
-    return [bench.Result.from_measurement(m, precision_of[name], bs, sum(skipped.get(name, [])), **bench.settings_of(args))
+                           on_run=on_run, pipelined=method == "pipelined",
+                           blocks=args.iters if method == "alternating" else 1)
+    return [bench.Result(**vars(m), precision=precision_of[name], batch_size=bs, skipped=sum(skipped.get(name, [])))
             for name, m in measured.items()]
 
 
 def method_of(args) -> str:
-    """--method or --blocks where given; else each system alone in its rounds, as the published peer figures were timed."""
+    """--method where given; else each system alone in its rounds, as the published peer figures were timed."""
     return "alone" if args.method == "auto" else args.method
 
 
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> list[bench.Result]:
     print(f"{args.model}, input {args.image_size}x{args.image_size}, {'fused ' if args.fused else ''}SGD momentum 0.9, "
           f"{args.rounds} interleaved rounds (a fresh model and optimizer each) of {args.warmup} warm-up + {args.iters} "
           "timed steps; median over rounds of the rounds' figures [min-max]\n"
-          f"timing: {describe_method(method_of(args), iters=args.iters, blocks=args.blocks)}")
+          f"timing: {method_of(args)}")
     peers = [p for p in known.peers.split(",") if p]
     for p in peers:
         if p not in PEERS:

@@ -6,8 +6,10 @@ from .memory import MemoryBreakdown, memory_breakdown
 from .policy import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy
 from .precisions import get_policy
 from .step import StepResult, TrainStats
-from .trainer import Trainer
+from .trainer import Trainer, autotune
+from .tuning import AutotuneResult, Candidate, default_candidates
 
 __all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "BF16PurePolicy", "FP16Policy", "FP8Policy", "get_policy",
-           "Trainer", "StepResult", "TrainStats", "Checkpoints", "memory_breakdown", "MemoryBreakdown"]
+           "Trainer", "StepResult", "TrainStats", "Checkpoints", "memory_breakdown", "MemoryBreakdown", "autotune",
+           "Candidate", "AutotuneResult", "default_candidates"]
 __version__ = "1.0.0"

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import _compat, checkpoint, loop
+from . import _compat, checkpoint, loop, tuning
 from . import distributed as _dist
 from . import keep_fp32 as fp32_modules
 from .loop import Checkpoints
@@ -21,7 +21,7 @@ from .policy import PrecisionPolicy, resolve_device, warn_overridden_flags
 from .precisions import get_policy
 from .step import OWN_LOSS, RefusedLoss, StepEngine, StepResult, TrainStats, fuse_default_optimizer, make_guard
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "autotune"]
 
 
 class Trainer:
@@ -225,6 +225,26 @@ class Trainer:
         """``{"val_loss": mean loss, name: metric, ...}`` over ``loader``: eval mode, no grad, the policy's autocast."""
         return loop.evaluate(self, loader, metrics)
 
+    @classmethod
+    def autotuned(cls, model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any, *,
+                  candidates: Sequence[tuning.Candidate] | None = None, compile: bool = False, steps: int = 10,
+                  warmup: int = 3, rounds: int = 3, tolerance: float = 0.05, **trainer_options: Any) -> Trainer:
+        """A Trainer at the configuration :func:`precisionloop.autotune` picks on ``sample_batch``.
+
+        Each candidate is timed on a copy of the model with a fresh optimizer of the same class and hyperparameters,
+        through this class (so its ``forward_batch``/``compute_loss`` is what is timed); the table is
+        ``trainer.autotune_result``. ``compile=True`` adds compiled candidates; other options go to the Trainer.
+
+        Raises:
+            RuntimeError: every candidate was rejected.
+        """
+        result = tuning.tune(cls, model, tuning.optimizer_like(optimizer, model), sample_batch, candidates=candidates,
+                             compile=compile, steps=steps, warmup=warmup, rounds=rounds, tolerance=tolerance,
+                             **trainer_options)
+        trainer = cls(model, optimizer, result.policy, compile=result.best.compile, **trainer_options)
+        trainer.autotune_result = result
+        return trainer
+
     def state_dict(self) -> dict:
         """Everything needed to resume exactly: model, optimizer, scheduler, scaler, counters and RNG states.
 
@@ -293,3 +313,18 @@ def _compile_mode(compile: bool | str, device: torch.device) -> str | None:
         raise ValueError(f"compile must be False, True or a torch.compile mode among "
                          f"{', '.join(_compat.compile_modes())}; got {compile!r}")
     return compile
+
+
+def autotune(model: nn.Module, optimizer_factory: Callable, sample_batch: Any, **options: Any) -> tuning.AutotuneResult:
+    """The fastest sound precision for ``model`` (left untouched), timed through :class:`Trainer` on copies.
+
+    Args:
+        optimizer_factory: builds a fresh optimizer from parameters, e.g. ``lambda p: torch.optim.AdamW(p)``.
+        sample_batch: one real batch, as ``Trainer.step`` takes it.
+        options: :func:`precisionloop.tuning.tune`'s (``candidates``, ``compile``, ``steps``, ``tolerance``, ...)
+            and the Trainer's.
+
+    Raises:
+        RuntimeError: every candidate was rejected.
+    """
+    return tuning.tune(Trainer, model, optimizer_factory, sample_batch, **options)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--device", default=None)
-    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-dir", default=None, help="where the last state is saved, as last.pt")
     p.add_argument("--resume", default=None, help="a checkpoint to continue from")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         train_loader, epochs=args.epochs, val_loader=val_loader,
         metrics={"accuracy": MulticlassAccuracy(num_classes=10)},
         max_steps=args.max_steps, progress=not args.no_progress,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=100 if args.checkpoint_dir else None, keep_last=3 if args.checkpoint_dir else None,
     )
     for record in history:
         metrics = f", val loss {record['val_loss']:.4f}, accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""

@@ -6,6 +6,8 @@ import torch
 import torchvision
 from torch.utils.data import Dataset, TensorDataset
 
+__all__ = ["TORCHVISION_DATASETS", "synthetic_images", "sklearn_digits", "image_dataset"]
+
 TORCHVISION_DATASETS = ("FashionMNIST", "MNIST", "KMNIST")
 
 

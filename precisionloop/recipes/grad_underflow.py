@@ -23,6 +23,8 @@ from precisionloop.diagnostics import gradient_underflow
 from precisionloop.recipes.data import image_dataset
 from precisionloop.recipes.resnet18_bench import check_output, environment
 
+__all__ = ["SEED", "seed_cnn", "main"]
+
 SEED = {"data": "FashionMNIST", "nonzero": 267_787, "median_abs": 8.3e-4, "underflow": 0.0035, "underflow_scaled": 0.000004}
 
 

@@ -10,6 +10,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+__all__ = ["REFERENCE", "TINY", "LARGE", "SIZES", "describe", "TransformerStack", "lm_loss", "random_tokens",
+           "noisy_bigrams"]
+
 # The reference configuration (the recipe's CUDA default) and a tiny one for the CPU.
 REFERENCE = {"layers": 4, "d_model": 2048, "d_ff": 8192, "heads": 16, "seq_len": 1024, "vocab": 8192}
 TINY = {"layers": 2, "d_model": 64, "d_ff": 256, "heads": 4, "seq_len": 32, "vocab": 256}
@@ -18,33 +21,15 @@ LARGE = {"layers": 4, "d_model": 4096, "d_ff": 16384, "heads": 32, "seq_len": 10
 SIZES = {"tiny": TINY, "reference": REFERENCE, "large": LARGE}
 
 
-MINIMUM = {"layers": 1, "d_model": 1, "d_ff": 1, "heads": 1, "seq_len": 1, "vocab": 2}
-
-
-def parameter_count(layers: int, d_model: int, d_ff: int, heads: int, vocab: int, seq_len: int) -> int:
-    """The parameters of a TransformerStack of these sizes, counted without building it."""
-    block = 4 * (d_model * d_model + d_model) + 2 * d_model * d_ff + d_ff + d_model + 4 * d_model  # + 2 LayerNorms
-    return layers * block + (vocab + seq_len) * d_model + 2 * d_model + d_model * vocab + vocab
-
-
 def describe(sizes: dict) -> str:
     """"4 layers, d_model 4096, d_ff 16384, 32 heads, 877M parameters" for a dict of sizes such as LARGE."""
-    n = parameter_count(**sizes)
+    with torch.device("meta"):  # counted without allocating
+        n = sum(p.numel() for p in TransformerStack(**sizes).parameters())
     count = f"{n / 1e6:.0f}M" if n >= 10**6 else f"{n:,}"
     return f"{sizes['layers']} layers, d_model {sizes['d_model']}, d_ff {sizes['d_ff']}, {sizes['heads']} heads, {count} parameters"
 
 
-def check_sizes(layers: int, d_model: int, d_ff: int, heads: int, vocab: int, seq_len: int) -> None:
-    """Raise ValueError, naming the size, when the sizes do not make a TransformerStack."""
-    sizes = {"layers": layers, "d_model": d_model, "d_ff": d_ff, "heads": heads, "seq_len": seq_len, "vocab": vocab}
-    for name, low in MINIMUM.items():
-        if sizes[name] < low:
-            raise ValueError(f"{name} must be >= {low}, got {sizes[name]}")
-    if d_model % heads:
-        raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
-
-
-class CausalSelfAttention(nn.Module):
+class _CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention from four ``nn.Linear`` layers and ``scaled_dot_product_attention``."""
 
     def __init__(self, d_model: int, heads: int):
@@ -62,13 +47,13 @@ class CausalSelfAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
-class Block(nn.Module):
+class _Block(nn.Module):
     """A pre-norm Transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, d_model: int, d_ff: int, heads: int):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, heads)
+        self.attn = _CausalSelfAttention(d_model, heads)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
 
@@ -87,11 +72,10 @@ class TransformerStack(nn.Module):
 
     def __init__(self, layers: int, d_model: int, d_ff: int, heads: int, vocab: int = 8192, seq_len: int = 1024):
         super().__init__()
-        check_sizes(layers, d_model, d_ff, heads, vocab, seq_len)
         self.seq_len = seq_len
         self.tokens = nn.Embedding(vocab, d_model)
         self.positions = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.Sequential(*(Block(d_model, d_ff, heads) for _ in range(layers)))
+        self.blocks = nn.Sequential(*(_Block(d_model, d_ff, heads) for _ in range(layers)))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
 

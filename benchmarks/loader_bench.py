@@ -1,14 +1,17 @@
-"""``resnet18_bench --loader``: ``fit`` over a real DataLoader, beside the resident step and a hand loop over it.
+"""``fit`` over a real DataLoader, beside the resident step and a hand loop over it.
+
+    PYTHONPATH=. python benchmarks/loader_bench.py --precisions bf16 --batch-sizes 128 --json loader.json
 
 The images are synthetic and in memory (``--images``, 224x224 on CUDA), each batch gathered from them at once
-by the DataLoader's workers (``--workers``), as float32 or as uint8 normalised on the device
-(``Trainer(input_transform=normalize_uint8(...))``), with pinned memory or without. For each precision and batch
-size, and each of these loaders, the systems are (compiled for all with ``--compile``):
+by the DataLoader's workers (``--workers``), as float32 or as uint8 normalised on the device (a Trainer whose
+``forward_batch`` normalises), with pinned memory or without. For each precision and batch size, and each of
+these loaders, the systems are (compiled for all with ``--compile``); every other flag is the recipe's
+(``python -m precisionloop.recipes.resnet18_bench --help``):
 
 - ``loader alone``: the DataLoader iterated, nothing sent to the device;
 - ``resident step``: ``Trainer.step`` on one batch already on the device (no data moves);
 - ``hand loop``: a torch.amp loop written out by hand over the loader;
-- ``fit``: ``Trainer.fit`` over the loader, with the device feed (CUDA); ``fit, no feed``: with ``device_feed=False``.
+- ``fit``: ``Trainer.fit`` over the loader.
 
 Each system is built once per loader, runs one untimed epoch, then one timed epoch per round, the systems'
 order rotated by the round. The report gives ms per step (median [min-max] over rounds), images per second,
@@ -33,66 +36,57 @@ import torch
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
-from precisionloop import Trainer, normalize_uint8
+from precisionloop import Trainer
 from precisionloop.measure import format_ratio, format_time, paired_ratio
+from precisionloop.recipes import resnet18_bench as bench
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, on the 0-1 scale
 IMAGE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``--loader`` flag and the flags of its mode."""
-    g = p.add_argument_group("--loader", "fit over a DataLoader of synthetic in-memory images (torchvision models)")
-    g.add_argument("--loader", action="store_true",
-                   help="time fit, the resident step, a hand loop and the loader alone over a real DataLoader, "
-                        "per precision: ms/step, img/s and the share of time spent waiting for input")
-    g.add_argument("--images", type=int, default=None,
-                   help="synthetic images held in memory (default 2048 on CUDA, 4 batches of the largest size on the CPU)")
-    g.add_argument("--workers", type=int, default=None,
-                   help=f"DataLoader workers (default min(6, CPU count): {min(6, os.cpu_count() or 1)} here)")
-    g.add_argument("--pin-memory", choices=("both", "on", "off"), default=None,
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This benchmark's flags, and the recipe's for the rest."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Every other flag is the recipe's.")
+    p.add_argument("--images", type=int, default=None,
+                   help="synthetic images held in memory (default 2048 on CUDA, 4 batches of the largest on the CPU)")
+    p.add_argument("--workers", type=int, default=min(6, os.cpu_count() or 1), help="DataLoader workers")
+    p.add_argument("--pin-memory", choices=("both", "on", "off"), default=None,
                    help="DataLoader pin_memory: both (the CUDA default), on, or off (the CPU's only choice)")
-    g.add_argument("--image-dtypes", default=None,
-                   help="comma-separated among float32 (normalised on the host) and uint8 (normalised on the device "
-                        "by the Trainer's input_transform); default both")
-
-
-def settle(p: argparse.ArgumentParser, args: argparse.Namespace, parsed: argparse.Namespace) -> None:
-    """Check the ``--loader`` flags and fill in their defaults; the mode's flags without ``--loader`` are refused, and
-    with it the step mode's flags it would ignore (``parsed``: the flags before any default was filled in)."""
-    given = [f for f, v in (("--images", args.images), ("--workers", args.workers), ("--pin-memory", args.pin_memory),
-                            ("--image-dtypes", args.image_dtypes)) if v is not None]
-    if not args.loader:
-        if given:
-            p.error(f"{', '.join(given)} only apply with --loader")
-        return
-    raw = parsed
-    ignored = [f for f, on in (("--iters", raw.iters is not None), ("--warmup", raw.warmup is not None),
-                               ("--method", raw.method != "auto"), ("--blocks", raw.blocks is not None),
-                               ("--no-hand-loop", raw.no_hand_loop), ("--plot", raw.plot is not None),
-                               ("--no-memory-table", raw.memory_table is False)) if on]
-    if ignored:
-        p.error(f"{', '.join(ignored)}: not for --loader, which times one epoch per system and round (its length "
-                "set by --images and --batch-sizes, the rounds by --rounds) and always runs the hand loop")
+    p.add_argument("--image-dtypes", default="float32,uint8",
+                   help="float32 (normalised on the host) and/or uint8 (normalised on the device); default both")
+    own, rest = p.parse_known_args(argv)
+    args = bench.parse_args(rest)
+    if args.model == bench.TRANSFORMER or args.distributed or args.autotune:
+        p.error("the loader benchmark times a torchvision model on one process, without autotune")
     cuda = args.device.type == "cuda"
-    for flag, value in (("--model transformer", args.model == "transformer"), ("--distributed", args.distributed),
-                        ("--autotune", args.autotune)):
-        if value:
-            p.error(f"--loader times a torchvision model on one process; {flag} is not for it")
-    args.images = args.images if args.images is not None else (2048 if cuda else 4 * max(args.batch_sizes))
-    args.workers = args.workers if args.workers is not None else min(6, os.cpu_count() or 1)
-    if args.images < max(args.batch_sizes):
-        p.error(f"--images ({args.images}) must hold at least one batch of {max(args.batch_sizes)}")
-    if args.workers < 0:
-        p.error(f"--workers must be >= 0, got {args.workers}")
-    pin = args.pin_memory or ("both" if cuda else "off")
+    args.images = own.images or (2048 if cuda else 4 * max(args.batch_sizes))
+    args.workers, pin = own.workers, own.pin_memory or ("both" if cuda else "off")
     if pin != "off" and not cuda:
         p.error(f"--pin-memory {pin}: pinned memory is for copies to CUDA; on {args.device} use off")
     args.pin_memory = {"both": [True, False], "on": [True], "off": [False]}[pin]
-    args.image_dtypes = [s.strip() for s in (args.image_dtypes or "float32,uint8").split(",") if s.strip()]
-    bad = [s for s in args.image_dtypes if s not in IMAGE_DTYPES]
-    if bad or not args.image_dtypes:
-        p.error(f"--image-dtypes takes float32 and/or uint8, got {','.join(args.image_dtypes) or 'none'}")
+    args.image_dtypes = [s.strip() for s in own.image_dtypes.split(",") if s.strip()]
+    if args.images < max(args.batch_sizes) or args.workers < 0 or not set(args.image_dtypes) <= set(IMAGE_DTYPES):
+        p.error("need --images of at least one batch, --workers >= 0, --image-dtypes among float32 and uint8")
+    return args
+
+
+def normalizer(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """uint8 images to normalised float32 ones, ImageNet's mean and std held on ``device``."""
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) for v in (MEAN, STD))
+    return lambda images: images.float().div_(255).sub_(mean).div_(std)
+
+
+class NormalizingTrainer(Trainer):
+    """A Trainer over uint8 images, normalised on the device."""
+
+    def forward_batch(self, batch):
+        inputs, targets = batch
+        if not hasattr(self, "normalize"):
+            self.normalize = normalizer(self.device)
+        x = self.normalize(inputs)
+        if x.is_cuda:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.model(x), targets
 
 
 class InMemoryImages(Dataset):
@@ -113,7 +107,7 @@ def synthetic_images(n: int, size: int, dtype: torch.dtype, classes: int = 1000)
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
     if dtype == torch.float32:
-        images = normalize_uint8(MEAN, STD)(images)
+        images = normalizer(torch.device("cpu"))(images)
     return InMemoryImages(images, torch.randint(0, classes, (n,), generator=g))
 
 
@@ -171,7 +165,7 @@ class Row:
                 "img_per_s": self.img_per_s, "data_fraction": self.data_fraction}
 
 
-OURS = ("loader alone", "resident step", "hand loop", "fit", "fit, no feed")
+OURS = ("loader alone", "resident step", "hand loop", "fit")
 """The systems :func:`build_systems` makes; any other in a table is a peer's."""
 
 
@@ -206,18 +200,19 @@ def _hand_loop(model: nn.Module, optimizer, loader: DataLoader, dtype: torch.dty
     return epoch
 
 
-def build_systems(bench, args, precision: str, batch_size: int, data: InMemoryImages, loader: DataLoader) -> dict:
+def build_systems(args, precision: str, batch_size: int, data: InMemoryImages, loader: DataLoader) -> dict:
     """Each system's epoch: a function that runs it and returns the share spent waiting for input (or None)."""
-    device, cuda = args.device, args.device.type == "cuda"
+    device = args.device
     policy = bench.policy_for(precision, args)
-    transform = normalize_uint8(MEAN, STD) if data.images.dtype == torch.uint8 else None
+    uint8 = data.images.dtype == torch.uint8
+    transform = normalizer(device) if uint8 else None
     steps = len(loader)
 
     def trainer() -> Trainer:
         model = bench.make_model(args)
-        return Trainer(model, bench.make_optimizer(model.parameters(), args.fused, args.optimizer), policy,
-                       device=device, input_transform=transform,
-                       compile=bench.compile_for(policy, args, device))
+        return (NormalizingTrainer if uint8 else Trainer)(
+            model, bench.make_optimizer(model.parameters(), args.fused, args.optimizer), policy, device=device,
+            compile=bench.compile_for(policy, args, device))
 
     def loader_alone() -> None:
         for _ in loader:
@@ -233,29 +228,27 @@ def build_systems(bench, args, precision: str, batch_size: int, data: InMemoryIm
     hand = trainer()  # the hand loop runs on the Trainer's prepared model (its layout) with its own optimizer
     hand_epoch = _hand_loop(hand.model, bench.make_optimizer(hand.model.parameters(), args.fused, args.optimizer),
                             loader, policy.compute_dtype, device, policy.memory_format(hand.model), transform,
-                            graphed=bench.graphed(precision, args, device))
+                            graphed=bench.graphed(policy, args, device))
     systems = {"loader alone": loader_alone, "resident step": resident_step, "hand loop": hand_epoch}
-    for name, feed in (("fit", True), ("fit, no feed", False)) if cuda else (("fit", True),):
-        fitted = trainer()
-        systems[name] = (lambda t=fitted, feed=feed:  # one more epoch each call
-                         t.fit(loader, epochs=t.epoch + 1, progress=False, device_feed=feed)[-1]["data_fraction"])
+    fitted = trainer()
+    systems["fit"] = lambda: fitted.fit(loader, epochs=fitted.epoch + 1, progress=False)[-1]["data_fraction"]
     contexts = {"hand loop": policy.backend_flags}  # the Trainer sets the policy's flags itself; the loader needs none
     return {name: (run, contexts.get(name, contextlib.nullcontext)) for name, run in systems.items()}
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def measure_loader(bench, args, precision: str, batch_size: int, data: InMemoryImages, pin_memory: bool,
+def measure_loader(args, precision: str, batch_size: int, data: InMemoryImages, pin_memory: bool,
                    peers: Callable | None = None) -> list[Row]:
     """Every system over one loader: an untimed epoch each, then ``args.rounds`` rounds of one timed epoch each.
 
     ``peers(args, precision, loader)``, where given, adds systems (name: (epoch, context)) over the same loader.
     """
     loader = make_loader(data, batch_size, args.workers, pin_memory)
-    systems = build_systems(bench, args, precision, batch_size, data, loader)
+    systems = build_systems(args, precision, batch_size, data, loader)
     systems.update(peers(args, precision, loader) if peers else {})
     images = "uint8" if data.images.dtype == torch.uint8 else "float32"
     rows = {name: Row(precision, batch_size, images, pin_memory, name, len(loader)) for name in systems}
@@ -263,11 +256,11 @@ def measure_loader(bench, args, precision: str, batch_size: int, data: InMemoryI
     for r in range(args.rounds + 1):  # round 0 warms every system up (cuDNN's choice, the workers, the caches)
         for name in order[r % len(order):] + order[:r % len(order)]:
             run, context = systems[name]
-            _sync(args.device)
+            sync(args.device)
             began = time.perf_counter()
             with context():
                 fraction = run()
-            _sync(args.device)
+            sync(args.device)
             seconds = time.perf_counter() - began
             if isinstance(fraction, Timed):
                 seconds, fraction = fraction.seconds, fraction.data_fraction
@@ -305,16 +298,18 @@ def _versus(block: list[Row]) -> list[str]:
         bound = max(got["loader alone"], got["resident step"], key=lambda r: r.median_ms)
         parts = [f"fit / hand loop {format_ratio(paired_ratio(fit, hand))}",
                  f"fit / {bound.system} (the slower bound) {format_ratio(paired_ratio(fit, bound))}"]
-        if "fit, no feed" in got:
-            parts.append(f"feed on / off {format_ratio(paired_ratio(fit, got['fit, no feed']))}")
         parts += [f"fit / {name} {format_ratio(paired_ratio(fit, row))}" for name, row in got.items() if name not in OURS]
         lines.append(f"  {images} {'pinned' if pin else 'unpinned'}: " + "; ".join(parts))
     return lines
 
 
-def main(args: argparse.Namespace, peers: Callable | None = None) -> list[Row]:
-    """Run the ``--loader`` mode of ``resnet18_bench`` with its parsed ``args``; ``peers``: see :func:`measure_loader`."""
-    from precisionloop.recipes import resnet18_bench as bench  # here: resnet18_bench imports this module
+def main(argv: list[str] | None = None) -> list[Row]:
+    """Run the benchmark with ``argv`` (``sys.argv`` by default)."""
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace, peers: Callable | None = None) -> list[Row]:
+    """Run the benchmark with parsed ``args``; ``peers``: see :func:`measure_loader`."""
 
     env = bench.environment(args.device)
     print(f"precisionloop benchmark: {args.model} over a DataLoader, {env['date']}\n"
@@ -322,11 +317,6 @@ def main(args: argparse.Namespace, peers: Callable | None = None) -> list[Row]:
           f"{args.images} synthetic images {args.image_size}x{args.image_size} in memory, {args.workers} workers, "
           f"{'fused ' if args.fused else ''}{bench.OPTIMIZERS[args.optimizer]}, {_steps_kind(args)}; {args.rounds} "
           "round(s) of one timed epoch per system after an untimed one, the systems' order rotated each round")
-    for note in args.notes:
-        if not note.startswith("CPU run"):  # that one is about the step timing of the other mode
-            print(f"note: {note}")
-    if args.device.type != "cuda":
-        print("note: on the CPU the device feed does nothing, so fit runs once, without the no-feed twin")
     rows: list[Row] = []
     quiet = logging.getLogger("precisionloop.loop")
     level = quiet.level
@@ -337,7 +327,7 @@ def main(args: argparse.Namespace, peers: Callable | None = None) -> list[Row]:
             for precision in args.precisions:
                 for batch_size in args.batch_sizes:
                     for pin in args.pin_memory:
-                        measured = measure_loader(bench, args, precision, batch_size, data, pin, peers)
+                        measured = measure_loader(args, precision, batch_size, data, pin, peers)
                         rows += measured
                         print(format_rows(measured), flush=True)  # each loader as it is done, the file too
                         _write(args.json, env, args, rows)
@@ -361,3 +351,7 @@ def _write(path: str | None, env: dict, args: argparse.Namespace, rows: list[Row
         with open(path, "w") as f:
             json.dump({"environment": env, "args": {k: str(v) for k, v in vars(args).items()},
                        "loader": [r.to_dict() for r in rows]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
