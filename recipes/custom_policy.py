@@ -36,7 +36,7 @@ class VendorFP16Policy(FP16Policy):
     def make_scaler(self, device_type):
         return torch.amp.GradScaler(AUTOCAST_DEVICE, init_scale=self.init_scale, growth_interval=self.growth_interval)
 
-    def backend_flags(self):
+    def backend_flags(self, device_type="cuda"):
         return contextlib.nullcontext()  # no CUDA flags to set on this hardware
 
     def prepare_model(self, model):
