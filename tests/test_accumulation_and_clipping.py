@@ -13,17 +13,19 @@ from precisionloop import Trainer
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
 
-def test_clipping_uses_unscaled_gradients():
-    data = batches(1)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_clipping_sees_the_unscaled_gradients_unscaled_once_per_optimizer_step(accum):
+    data = batches(accum)
     model, reference = tiny_mlp(), tiny_mlp()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16", device="cpu", max_grad_norm=1e9)
-    result = trainer.step(data[0])
-    x, y = data[0]
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = nn.functional.cross_entropy(reference(x), y)
-    loss.backward()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16", device="cpu", max_grad_norm=1e9,
+                      grad_accum_steps=accum)
+    result = [trainer.step(b) for b in data][-1]
+    for x, y in data:  # the window's mean gradient, in fp16 autocast, without a scaler
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(reference(x), y) / accum
+        loss.backward()
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in reference.parameters()]))
-    assert result.grad_norm == pytest.approx(float(expected), rel=1e-3)
+    assert result.stepped and result.grad_norm == pytest.approx(float(expected), rel=1e-3)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -75,7 +77,7 @@ def test_an_error_before_the_step_puts_the_batch_count_back_to_the_window_start(
     with pytest.raises(TypeError, match="expects a batch of"):
         trainer.fit([good, (good[0],), good, good], epochs=1, progress=False)
     # batch 0 had opened a window that the refused batch 1 would have closed: both are to be trained again
-    assert trainer.batch_in_epoch == 0 and trainer.engine.micro == 0 and model.weight.grad is None
+    assert trainer.batch_in_epoch == 0 and trainer.flush() is None and model.weight.grad is None
 
 
 @pytest.mark.gpu
