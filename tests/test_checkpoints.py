@@ -126,9 +126,9 @@ def test_checkpoint_is_weights_only_loadable(tmp_path):
     trainer = make_trainer("fp16")
     trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
     trainer.save(tmp_path / "c.pt")
-    state = torch.load(tmp_path / "c.pt", weights_only=True)
-    assert state["precision"] == "fp16" and state["counters"]["global_step"] == 2
-    assert set(state["rng"]) >= {"torch", "python", "numpy"} and state["scaler"]["scale"] > 0
+    state = torch.load(tmp_path / "c.pt", weights_only=True)  # plain tensors and containers: no pickled code
+    model = trainer.model.state_dict()
+    assert state["model"].keys() == model.keys() and all(torch.equal(v, model[k]) for k, v in state["model"].items())
 
 
 def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
@@ -480,7 +480,6 @@ def test_pure_bf16_saves_bf16_weights_that_resume_exactly_and_load_into_an_fp32_
     trainer.save(tmp_path / "pure.pt")
     saved = torch.load(tmp_path / "pure.pt", weights_only=True)
     assert {v.dtype for v in saved["model"].values()} == {torch.bfloat16}  # the training dtype, no fp32 copy
-    assert saved["precision"] == "bf16-pure"
     trainer.step(batch(3))  # stochastic rounding draws random numbers: the checkpoint's RNG state replays them
     resumed_model, resumed = pure_bf16()
     resumed.load(tmp_path / "pure.pt")
