@@ -169,10 +169,6 @@ def dict_batch(seed):
     return {"x": x, "y": y}
 
 
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
 # A one-layer trainer and its batch: shared by the bad-input and checkpoint tests.
 
 X, Y = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 0])
