@@ -60,17 +60,17 @@ def test_a_callback_object_without_either_hook_is_refused_naming_what_it_has():
     assert t.global_step == 0
 
 
-# A malformed batch keeps the accumulation window ----------------------------------------------------------------
+# A malformed batch keeps the gradients accumulated so far ---------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [(X, Y, Y), (X,), {"x": X, "y": Y}, [X, Y, Y]])
-def test_a_batch_of_the_wrong_shape_keeps_the_open_window(bad):
+def test_a_batch_of_the_wrong_shape_keeps_the_gradients_accumulated_so_far(bad):
     t = _trainer(grad_accum_steps=2)
     t.step((X, Y))
     grads = [p.grad.clone() for p in t.model.parameters()]
     with pytest.raises(TypeError, match="expects a batch of \\(inputs, targets\\).*nothing was changed"):
         t.step(bad)
     assert all(torch.equal(p.grad, g) for p, g in zip(t.model.parameters(), grads))
-    assert t.step((X, Y)).stepped  # the window closes with both micro-batches
+    assert t.step((X, Y)).stepped  # the optimizer step takes both micro-batches
 
 
 def test_a_subclass_with_its_own_batch_shape_is_not_checked():
@@ -125,13 +125,13 @@ def test_a_loss_class_is_refused_at_construction():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_loss_that_is_not_a_scalar_is_refused_before_backward_with_the_window_kept(precision):
+def test_a_loss_that_is_not_a_scalar_is_refused_before_backward_and_changes_nothing(precision):
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", grad_accum_steps=2,
                       loss_fn=nn.CrossEntropyLoss(reduction="none"))
     trainer.loss_fn = nn.CrossEntropyLoss()
-    trainer.step((X, Y))  # one micro-batch of the window
+    trainer.step((X, Y))  # the first of two accumulated micro-batches
     grads = [p.grad.clone() for p in model.parameters()]
     weights = [p.detach().clone() for p in model.parameters()]
     trainer.loss_fn = nn.CrossEntropyLoss(reduction="none")
@@ -140,15 +140,15 @@ def test_a_loss_that_is_not_a_scalar_is_refused_before_backward_with_the_window_
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     trainer.loss_fn = nn.CrossEntropyLoss()
-    assert trainer.step((X, Y)).stepped  # the window goes on
+    assert trainer.step((X, Y)).stepped  # the accumulation goes on
 
 
 @pytest.mark.parametrize("how", ["frozen", "detached", "no_grad"])
-def test_a_loss_without_grad_is_refused_before_backward_with_the_window_kept(how):
+def test_a_loss_without_grad_is_refused_before_backward_and_changes_nothing(how):
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", grad_accum_steps=2)
-    trainer.step((X, Y))  # one micro-batch of the window
+    trainer.step((X, Y))  # the first of two accumulated micro-batches
     grads = [p.grad.clone() for p in model.parameters()]
 
     def loss_fn(outputs, targets):
@@ -165,7 +165,7 @@ def test_a_loss_without_grad_is_refused_before_backward_with_the_window_kept(how
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     model.requires_grad_(True)
     trainer.loss_fn = nn.CrossEntropyLoss()
-    assert trainer.step((X, Y)).stepped  # the window goes on
+    assert trainer.step((X, Y)).stepped  # the accumulation goes on
 
 
 def test_a_scheduler_without_an_interval_is_refused_naming_both_choices():

@@ -204,10 +204,10 @@ def test_periodic_checkpoints_rotate(tmp_path):
     assert fresh.global_step == 9 and fresh.batch_in_epoch == 9
 
 
-def test_save_inside_an_accumulation_window_is_refused(tmp_path):
+def test_save_with_gradients_accumulated_is_refused(tmp_path):
     trainer = make_trainer("fp32", grad_accum_steps=2)
     trainer.step(next(iter(DataLoader(dataset(), batch_size=4))))
-    with pytest.raises(RuntimeError, match="accumulation window"):
+    with pytest.raises(RuntimeError, match="accumulat"):
         trainer.save(tmp_path / "c.pt")
     trainer.flush()
     trainer.save(tmp_path / "c.pt")
@@ -369,13 +369,12 @@ def test_load_from_another_optimizer_class_is_a_value_error(tmp_path):
     assert t.global_step == step
 
 
-def test_load_discards_an_open_accumulation_window(tmp_path):
-    """load() discards the gradients of an open accumulation window."""
-    m, t = mk(grad_accum_steps=2)
+def test_load_discards_the_gradients_accumulated_so_far(tmp_path):
+        m, t = mk(grad_accum_steps=2)
     t.step(batch(2))
     t.step(batch(3))
     t.save(tmp_path / "ckpt.pt")
-    t.step(batch(4))  # opens a window
+    t.step(batch(4))  # accumulates, without an optimizer step
     t.load(tmp_path / "ckpt.pt")
     torch.manual_seed(99)
     fresh_m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 3))

@@ -87,7 +87,7 @@ def equals_single(rank, out_dir):
 
 
 def inf_on_one_rank(rank, out_dir):
-    verdicts = {}
+    outcomes = {}
     for mode in ("ddp", "fsdp"):
         for precision in ("fp16", "bf16"):
             model = tiny_mlp()
@@ -106,8 +106,8 @@ def inf_on_one_rank(rank, out_dir):
             armed["on"] = True
             result = trainer.step(_local(data[1], rank))
             after = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in trainer.model.parameters()]
-            verdicts[f"{mode}-{precision}"] = (result.skipped, result.scale, all(torch.equal(a, b) for a, b in zip(before, after)))
-    torch.save(verdicts, os.path.join(out_dir, f"verdicts-{rank}.pt"))
+            outcomes[f"{mode}-{precision}"] = (result.skipped, result.scale, all(torch.equal(a, b) for a, b in zip(before, after)))
+    torch.save(outcomes, os.path.join(out_dir, f"outcomes-{rank}.pt"))
 
 
 def _dataset():
@@ -213,8 +213,8 @@ def test_fsdp_shards_on_the_trainers_device_not_the_machines_accelerator(tmp_pat
 def test_inf_on_one_rank_skips_on_every_rank(tmp_path):
     run("inf_on_one_rank", tmp_path)
     for rank in range(WORLD):
-        verdicts = torch.load(tmp_path / f"verdicts-{rank}.pt")
-        for key, (skipped, scale, unchanged) in verdicts.items():
+        outcomes = torch.load(tmp_path / f"outcomes-{rank}.pt")
+        for key, (skipped, scale, unchanged) in outcomes.items():
             assert skipped and unchanged, (rank, key)
             assert scale == (2.0**15 if "fp16" in key else None), (rank, key)
 

@@ -64,7 +64,7 @@ def test_progress_bar_shows_loss_and_skips(capfd):
     assert "epoch 1/1" in err and "loss=" in err and "scale=" in err and "skipped=" in err
 
 
-def test_final_partial_window_is_stepped_and_epochs_count_restored_ones(tmp_path):
+def test_an_epochs_last_partial_accumulation_is_stepped_and_epochs_count_restored_ones(tmp_path):
     trainer = make_trainer("fp32", grad_accum_steps=2)
     history = trainer.fit(DataLoader(dataset(20), batch_size=4), epochs=1, progress=False)  # 5 micro-batches
     assert history[0]["steps"] == 3 and trainer.global_step == 3
@@ -153,8 +153,8 @@ def test_fit_leaves_the_callers_backend_flags_as_they_were(callers_flags, end):
 
 
 def test_a_failed_end_of_epoch_flush_is_replayed_by_the_next_fit(monkeypatch):
-    # The last window is partial, so the epoch ends with flush(); an interrupt before its optimizer update drops
-    # the window, and the next fit must train those batches again rather than resume past them.
+    # 5 batches at grad_accum_steps=2: the epoch ends with flush(); an interrupt before its optimizer update drops
+    # the accumulated gradients, and the next fit must train those batches again rather than resume past them.
     data = [(x, y) for x, y in batches(5)]
 
     def make():
@@ -169,7 +169,7 @@ def test_a_failed_end_of_epoch_flush_is_replayed_by_the_next_fit(monkeypatch):
 
     def clip_failing_in_the_flush(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:  # steps 1 and 2 are windows of two; the third is the flush of batch 5
+        if len(calls) == 3:  # steps 1 and 2 take two batches each; the third is the flush of batch 5
             raise KeyboardInterrupt
         return clip(*args, **kwargs)
 
@@ -258,7 +258,7 @@ def test_a_fast_loader_gets_a_small_data_fraction_and_no_warning(caplog):
     assert not [r for r in caplog.records if "waited for input" in r.getMessage()]
 
 
-def test_the_csv_logger_writes_booked_values_every_n_steps_and_each_epoch(tmp_path):
+def test_the_csv_logger_writes_values_every_n_steps_and_each_epoch(tmp_path):
     import csv
 
     from precisionloop.loggers import CSVLogger
@@ -340,7 +340,7 @@ def shuffled_loader():
     return DataLoader(TensorDataset(x, torch.randint(0, 3, (24,), generator=g)), batch_size=4, shuffle=True)
 
 
-@pytest.mark.parametrize("accum, nth", [(1, 4), (2, 3), (2, 4)], ids=["accum1", "accum2-window-start", "accum2-mid-window"])
+@pytest.mark.parametrize("accum, nth", [(1, 4), (2, 3), (2, 4)], ids=["accum1", "accum2-first-micro-batch", "accum2-second-micro-batch"])
 def test_interrupt_in_backward_leaks_no_partial_gradient(accum, nth):
     """A KeyboardInterrupt in backward leaves no partial .grad; resuming fit matches."""
     loader = shuffled_loader()
@@ -501,11 +501,11 @@ def _straight_run(epochs=2):
 
 @pytest.mark.parametrize("where, at, start", [("callback", 16, 3), ("callback", 12, 0), ("loader", 4, 3),
                                               ("loader", 0, 0)],
-                         ids=["callback-mid-window", "callback-first-batch", "loader-mid-window", "loader-first-batch"])
-def test_an_interrupt_mid_window_can_be_saved_and_resumes_as_if_uninterrupted(tmp_path, where, at, start):
-    """A Ctrl-C in a callback or while the loader reads, with a window open: fit drops the window and puts the
+                         ids=["callback-mid-accumulation", "callback-first-batch", "loader-mid-accumulation", "loader-first-batch"])
+def test_an_interrupt_mid_accumulation_can_be_saved_and_resumes_as_if_uninterrupted(tmp_path, where, at, start):
+    """A Ctrl-C in a callback or while the loader reads, with gradients accumulated: fit drops them and puts the
     batches and the RNG (dropout, augmentation) back to its start, so save works and the resumed run, shuffle
-    included, is the uninterrupted one. 10 batches an epoch, windows of 3, 11 callbacks in epoch 1 (the flush)."""
+    included, is the uninterrupted one. 10 batches an epoch, 3 accumulated per step, 11 callbacks in epoch 1 (the flush)."""
     ref_model, ref = _straight_run()
     seed_all(11)
     model, trainer = _accumulating_dropout_trainer()
@@ -534,9 +534,9 @@ def test_an_interrupt_mid_window_can_be_saved_and_resumes_as_if_uninterrupted(tm
 
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(Loader(), epochs=2, progress=False, callbacks=[Interrupt()])
-    assert trainer.flush() is None and trainer.batch_in_epoch == start  # the window was dropped
+    assert trainer.flush() is None and trainer.batch_in_epoch == start  # the accumulated gradients were dropped
     trainer.save(tmp_path / "ckpt.pt")
-    seed_all(99)  # the process's RNG moves on: the checkpoint holds the window's start
+    seed_all(99)  # the process's RNG moves on: the checkpoint holds the RNG as the interrupted step began
     model2, resumed = _accumulating_dropout_trainer()
     resumed.load(tmp_path / "ckpt.pt")
     # The same kind of loader (a generator over a DataLoader iterates it lazily, so it draws its seeds at the first
@@ -602,7 +602,7 @@ def test_train_loss_is_the_mean_of_the_finite_losses_when_a_step_is_skipped():
     assert record["train_loss"] == pytest.approx(sum(v for i, v in enumerate(losses) if i != 2) / 4)
 
 
-def test_a_window_opened_by_hand_before_fit_is_dropped_by_an_exception_in_fit():
+def test_gradients_accumulated_by_hand_before_fit_are_dropped_by_an_exception_in_fit():
     model = tiny_mlp()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", grad_accum_steps=3)
     data = batches(4)

@@ -1,5 +1,5 @@
 """Precision policies: the name table and get_policy, autocast dtypes inside the step, backend flags set and
-restored, custom policies, and what a checkpoint records of the policy and how a load uses it."""
+restored, custom policies, and pure bf16."""
 
 import contextlib
 import logging
@@ -241,7 +241,7 @@ def test_a_resume_under_the_same_policy_does_not_warn(tmp_path):
 
 
 class CountingPolicy(FP16Policy):
-    """A custom-hardware style policy: its own name, scaler and autocast bookkeeping."""
+    """A custom-hardware style policy: its own name, scaler and autocast."""
 
     name = "counting-fp16"
 

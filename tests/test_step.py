@@ -141,7 +141,7 @@ def test_to_device_lays_out_image_batches_as_the_policy_says():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_a_flush_interrupted_before_its_update_drops_the_window_and_the_next_one_trains(monkeypatch, precision):
+def test_a_flush_interrupted_before_its_update_drops_the_accumulated_gradients_and_training_goes_on(monkeypatch, precision):
     model = tiny_mlp()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu", grad_accum_steps=4,
                       max_grad_norm=1e9)
@@ -149,7 +149,7 @@ def test_a_flush_interrupted_before_its_update_drops_the_window_and_the_next_one
     trainer.step(data[0])
     before = [p.detach().clone() for p in model.parameters()]
 
-    def interrupted(*args, **kwargs):  # after unscale_ and the partial window's rescale
+    def interrupted(*args, **kwargs):  # after unscale_, before the optimizer update
         raise KeyboardInterrupt
 
     monkeypatch.setattr(nn.utils, "clip_grad_norm_", interrupted)
@@ -158,7 +158,7 @@ def test_a_flush_interrupted_before_its_update_drops_the_window_and_the_next_one
     monkeypatch.undo()
     assert trainer.flush() is None and trainer.global_step == 0 and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
-    trainer.step(data[1])  # fp16: the scaler must not still hold the dropped window's unscale_
+    trainer.step(data[1])  # fp16: the scaler must not still hold the dropped step's unscale_
     assert trainer.flush().stepped and trainer.global_step == trainer.stats.steps == 1
 
 
