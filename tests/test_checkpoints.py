@@ -370,7 +370,7 @@ def test_load_from_another_optimizer_class_is_a_value_error(tmp_path):
 
 
 def test_load_discards_the_gradients_accumulated_so_far(tmp_path):
-        m, t = mk(grad_accum_steps=2)
+    m, t = mk(grad_accum_steps=2)
     t.step(batch(2))
     t.step(batch(3))
     t.save(tmp_path / "ckpt.pt")
