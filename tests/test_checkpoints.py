@@ -520,11 +520,15 @@ def test_an_activation_checkpointed_model_round_trips_its_optimizer_state(tmp_pa
 
 
 def test_a_checkpoint_saved_by_version_0_2_0_loads_or_is_refused_naming_its_version():
-    """tests/data/checkpoint-0.2.0.pt: tiny_mlp() after three bf16 AdamW steps on batches(3), saved by 0.2.0."""
+    """tests/data/checkpoint-0.2.0.pt: nn.Linear(4, 2) after three fp32 steps of momentum SGD (lr 0.1) with a
+    StepLR(step_size=1, gamma=0.5) stepped per optimizer step, saved by precisionloop 0.2.0."""
     path = Path(__file__).parent / "data" / "checkpoint-0.2.0.pt"
     saved = torch.load(path, weights_only=True)["model"]
-    model = tiny_mlp(seed=3)
-    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "bf16", device="cpu")
+    torch.manual_seed(3)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = Trainer(model, optimizer, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+                      scheduler_interval="step")
     before = params_of(model)
     try:
         trainer.load(path)
@@ -533,4 +537,5 @@ def test_a_checkpoint_saved_by_version_0_2_0_loads_or_is_refused_naming_its_vers
         assert same_params(model, before) and trainer.global_step == 0
     else:
         assert all(torch.equal(p, saved[name]) for name, p in model.named_parameters())
-        assert trainer.global_step == 3 and trainer.step(batches(4)[3]).stepped
+        assert trainer.global_step == 3 and optimizer.param_groups[0]["lr"] == 0.1 * 0.5**3
+        assert trainer.step((torch.randn(4, 4), torch.tensor([0, 1, 1, 0]))).stepped
