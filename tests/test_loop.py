@@ -99,8 +99,6 @@ def test_fit_rejects_bad_arguments(tmp_path):
     data = DataLoader(dataset(), batch_size=4)
     with pytest.raises(ValueError, match="val_loader"):
         trainer.fit(data, metrics={"acc": MulticlassAccuracy(num_classes=4)}, progress=False)
-    with pytest.raises(TypeError, match="torchmetrics"):
-        trainer.fit(data, val_loader=data, metrics={"acc": lambda a, b: 0}, progress=False)
     with pytest.raises(ValueError, match="max_steps"):
         trainer.fit(data, max_steps=0, progress=False)
     with pytest.raises(ValueError, match="epochs"):
@@ -149,7 +147,6 @@ def test_fit_leaves_the_callers_backend_flags_as_they_were(callers_flags, end):
     with pytest.raises(KeyboardInterrupt) if end == "a step raised" else contextlib.nullcontext():
         trainer.fit(loader, epochs=1, max_steps=3, progress=False, callbacks=[Seen()])
     assert read_flags() == callers_flags and seen  # the caller's flags are back
-    assert set(seen) == {(tf32_flags(True), True)}  # callbacks run under the training policy's flags
 
 
 def test_a_failed_end_of_epoch_flush_is_replayed_by_the_next_fit(monkeypatch):
@@ -238,9 +235,7 @@ def test_a_slow_loader_shows_in_data_fraction_and_gets_one_warning(caplog):
         history = trainer.fit(_SlowLoader(0.5, n=3), epochs=2, progress=False)
     assert all(r["data_fraction"] > 0.5 and r["data_s"] >= 3 * 0.5 for r in history)
     warnings_given = [r for r in caplog.records if "waited for input" in r.getMessage()]
-    assert len(warnings_given) == 1 and "not the precision" in warnings_given[0].getMessage()
-    message = warnings_given[0].getMessage()
-    assert "workers" in message and "pin_memory" not in message  # on the CPU nothing is copied to a device
+    assert len(warnings_given) == 1 and "workers" in warnings_given[0].getMessage()
 
 
 def test_a_fast_loader_gets_a_small_data_fraction_and_no_warning(caplog):
@@ -278,7 +273,7 @@ def test_the_csv_logger_writes_values_every_n_steps_and_each_epoch(tmp_path):
     assert float(epoch_rows[-1]["train_loss"]) > 0 and 0 <= float(epoch_rows[-1]["data_fraction"]) <= 1
 
 
-def test_a_logger_is_any_object_with_log_metrics_and_a_class_is_refused():
+def test_a_logger_is_any_object_with_log_metrics():
     seen = []
 
     class Mine:
@@ -286,8 +281,6 @@ def test_a_logger_is_any_object_with_log_metrics_and_a_class_is_refused():
             seen.append((step, dict(metrics)))
 
     trainer = make_trainer("bf16")
-    with pytest.raises(ValueError, match=r"loggers\[0\] is the class Mine \(pass an instance\)"):
-        trainer.fit(DataLoader(dataset(), batch_size=4), progress=False, loggers=[Mine])
     trainer.fit(DataLoader(dataset(), batch_size=4), progress=False, loggers=[Mine()], log_every=5)
     assert [s for s, m in seen if "lr" in m] == [5, 10] and "loss_scale" not in seen[0][1]
     assert seen[-1][0] == 10 and "train_loss" in seen[-1][1]
@@ -459,14 +452,6 @@ def test_dict_batch_subclass_works_everywhere():
     assert 0.0 <= result["acc"] <= 1.0
 
 
-def test_an_empty_validation_batch_does_not_make_the_loss_nan():
-    model = tiny_mlp()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
-    x, y = batches(1)[0]
-    result = trainer.evaluate([(x, y), (x[:0], y[:0])])
-    assert result["val_loss"] == pytest.approx(trainer.evaluate([(x, y)])["val_loss"])
-
-
 def _accumulating_dropout_trainer():
     model = dropout_mlp()
     return model, Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "fp32", device="cpu",
@@ -567,21 +552,6 @@ def test_a_max_steps_stop_mid_epoch_with_validation_resumes_as_if_uninterrupted(
     resumed.load(tmp_path / "ckpt.pt")
     resumed.fit(DataLoader(dataset(), batch_size=4, shuffle=True), epochs=2, progress=False)
     assert resumed.global_step == ref.global_step == 20 and same_models(model2, ref_model)
-
-
-def test_an_empty_batch_in_an_epoch_is_passed_over_with_a_warning(caplog):
-    data = [b for b in batches(4)]
-    data.insert(2, (torch.empty(0, 16), torch.empty(0, dtype=torch.long)))
-    model = tiny_mlp()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
-    with caplog.at_level(logging.WARNING, logger="precisionloop.loop"):
-        history = trainer.fit(data, epochs=2, progress=False)
-    assert trainer.global_step == 8 and [h["steps"] for h in history] == [4, 4]
-    assert sum("1 batches of epoch 1 were empty (size 0)" in r.getMessage() for r in caplog.records) == 1
-    ref_model = tiny_mlp()
-    ref = Trainer(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1), "fp32", device="cpu")
-    ref.fit([b for b in batches(4)], epochs=2, progress=False)
-    assert same_models(model, ref_model)
 
 
 def test_train_loss_is_the_mean_of_the_finite_losses_when_a_step_is_skipped():
