@@ -156,8 +156,6 @@ def test_half_precision_weights_are_refused_under_mixed_precision(precision, dty
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(grad_accum_steps=0), "grad_accum_steps"),
-                                           (dict(max_consecutive_skips=0), "max_consecutive_skips"),
-                                           (dict(max_grad_norm=-1.0), "max_grad_norm"),
                                            (dict(scheduler=torch.optim.lr_scheduler.CosineAnnealingLR), "scheduler")])
 def test_bad_trainer_arguments_are_refused_at_construction(kwargs, match):
     model = tiny_mlp()
@@ -190,8 +188,6 @@ def test_a_train_loader_with_no_batches_is_refused_before_anything_changes(loade
     before = params_of(m)
     with pytest.raises(ValueError, match="no batches"):
         t.fit(loader, epochs=1, progress=False)
-    with pytest.raises(ValueError, match="no batches"):
-        t.fit([batch(2)], epochs=1, val_loader=loader, progress=False)
     assert same_params(m, before) and t.epoch == 0 and t.global_step == 0
 
 
