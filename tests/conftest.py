@@ -71,50 +71,29 @@ def steps_without_host_sync(trainer, batches) -> list:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def read_flags():
-    """The backend flags the policies set, as (the TF32 switches, cudnn.benchmark), read through torch's public API."""
-    from precisionloop import policy
+# The backend flags the policies set, through torch's public settings: per-backend ``fp32_precision`` on
+# torch >= 2.9 (mixing it with the older ``allow_tf32`` switches raises), ``allow_tf32`` before.
+_MATMUL, _CUDNN = torch.backends.cuda.matmul, torch.backends.cudnn
+_TF32 = (((_MATMUL, "fp32_precision"), (_CUDNN.conv, "fp32_precision"), (_CUDNN.rnn, "fp32_precision"))
+         if hasattr(_MATMUL, "fp32_precision") else ((_MATMUL, "allow_tf32"), (_CUDNN, "allow_tf32")))
 
-    *tf32, benchmark = [getattr(owner, name) for owner, name in policy._FLAGS]
-    return tuple(tf32), benchmark
+
+def tf32_flags(tf32: bool) -> tuple:
+    """The TF32 switches' values for tf32 on or off, as ``read_flags`` returns them."""
+    if hasattr(_MATMUL, "fp32_precision"):
+        return ("tf32" if tf32 else "ieee",) * 3
+    return (tf32, tf32)
+
+
+def read_flags():
+    """(the TF32 switches, cudnn.benchmark), read through torch's public settings."""
+    return tuple(getattr(owner, name) for owner, name in _TF32), torch.backends.cudnn.benchmark
 
 
 def write_flags(tf32, benchmark):
-    from precisionloop import policy
-
-    for (owner, name), value in zip(policy._FLAGS, (*tf32, benchmark)):
+    for (owner, name), value in zip(_TF32, tf32):
         setattr(owner, name, value)
-
-
-def tf32_flags(tf32: bool):
-    """The TF32 switches' values for tf32 on or off, as ``read_flags`` returns them."""
-    from precisionloop import policy
-
-    return policy._tf32_values(tf32)
-
-
-class _RecordingOwner:
-    """Stands in for a torch.backends object and records each write to it."""
-
-    def __init__(self, owner, index, writes):
-        self.__dict__.update(_owner=owner, _index=index, _writes=writes)
-
-    def __getattr__(self, name):
-        return getattr(self._owner, name)
-
-    def __setattr__(self, name, value):
-        self._writes.append((self._index, value))
-        setattr(self._owner, name, value)
-
-
-def count_flag_writes(monkeypatch):
-    """The list every backend-flag write of the policies is appended to, as (flag index, value)."""
-    from precisionloop import policy
-
-    writes = []
-    monkeypatch.setattr(policy, "_FLAGS", tuple((_RecordingOwner(owner, i, writes), name)
-                                                for i, (owner, name) in enumerate(policy._FLAGS)))
-    return writes
+    torch.backends.cudnn.benchmark = benchmark
 
 
 # A small classifier and its batches, with comparisons of weights and optimizer state: shared by the step,
@@ -188,10 +167,6 @@ class DictTrainer(Trainer):
 def dict_batch(seed):
     x, y = batch(seed)
     return {"x": x, "y": y}
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
 
 
 # A one-layer trainer and its batch: shared by the bad-input and checkpoint tests.

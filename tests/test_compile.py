@@ -1,4 +1,5 @@
-"""torch.compile'd steps: same numerics as eager, skip detection and scaling unchanged, clear errors."""
+"""torch.compile'd steps: same numerics as eager (the backward without autocast too), skips and scaling unchanged,
+clear errors."""
 
 import copy
 
@@ -19,7 +20,6 @@ def test_compiled_step_matches_eager(precision):
     eager = Trainer(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9), precision, device="cpu")
     compiled = Trainer(compiled_model, torch.optim.SGD(compiled_model.parameters(), lr=0.1, momentum=0.9), precision,
                        device="cpu", compile=True)
-    assert compiled.compile_mode == "default"
     for b in data:
         eager.step(b)
         compiled.step(b)
@@ -44,6 +44,34 @@ def test_compiled_fp16_skips_and_backs_off():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     armed["on"] = False
     assert [trainer.step(b).scale for b in data[2:]] == [128.0, 256.0]
+
+
+class _Fp32Head(nn.Module):
+    """Its head runs with autocast off, as a user's own fp32 region: under a bf16 autocast backward, its gradients
+    would be recast (measured: weights differ from eager by ~4e-4 after three steps, 0 when run like eager)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        with torch.autocast("cpu", enabled=False):
+            return self.head(h.float())
+
+
+def test_the_compiled_backward_runs_without_autocast_as_the_eager_one():
+    models = []
+    for compile in (False, "default"):
+        torch._dynamo.reset()
+        model = _Fp32Head()
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), "bf16", device="cpu", compile=compile)
+        for b in batches(3):
+            trainer.step(b)
+        models.append(model)
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-6)
 
 
 def test_bad_compile_mode_is_rejected_at_construction():
@@ -99,7 +127,6 @@ def test_compiled_with_cuda_graphs_matches_eager_and_still_skips():
     eager = Trainer(eager_model, torch.optim.SGD(eager_model.parameters(), lr=0.1, fused=True), FP16Policy(), device="cuda")
     graphed = Trainer(graph_model, torch.optim.SGD(graph_model.parameters(), lr=0.1, fused=True), FP16Policy(), device="cuda",
                       compile=True)
-    assert graphed.compile_mode == "reduce-overhead"
     results = [(eager.step(b), graphed.step(b)) for b in data[:3]]
     for p, q in zip(eager_model.parameters(), graph_model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-3, rtol=1e-2)

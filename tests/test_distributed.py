@@ -70,7 +70,6 @@ def equals_single(rank, out_dir):
         for precision, accum in (("fp32", 1), ("bf16", 1), ("fp32", 2)):
             model = tiny_mlp()
             trainer = Trainer(model, _optimizer(model), precision, device="cpu", distributed=mode, grad_accum_steps=accum)
-            assert trainer.distributed == mode
             for batch in batches(4, batch_size=8):
                 x, y = _local(batch, rank)
                 for i in range(accum):  # micro-batches of the local share
@@ -88,7 +87,7 @@ def equals_single(rank, out_dir):
 
 
 def inf_on_one_rank(rank, out_dir):
-    verdicts = {}
+    outcomes = {}
     for mode in ("ddp", "fsdp"):
         for precision in ("fp16", "bf16"):
             model = tiny_mlp()
@@ -107,8 +106,8 @@ def inf_on_one_rank(rank, out_dir):
             armed["on"] = True
             result = trainer.step(_local(data[1], rank))
             after = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in trainer.model.parameters()]
-            verdicts[f"{mode}-{precision}"] = (result.skipped, result.scale, all(torch.equal(a, b) for a, b in zip(before, after)))
-    torch.save(verdicts, os.path.join(out_dir, f"verdicts-{rank}.pt"))
+            outcomes[f"{mode}-{precision}"] = (result.skipped, result.scale, all(torch.equal(a, b) for a, b in zip(before, after)))
+    torch.save(outcomes, os.path.join(out_dir, f"outcomes-{rank}.pt"))
 
 
 def _dataset():
@@ -214,8 +213,8 @@ def test_fsdp_shards_on_the_trainers_device_not_the_machines_accelerator(tmp_pat
 def test_inf_on_one_rank_skips_on_every_rank(tmp_path):
     run("inf_on_one_rank", tmp_path)
     for rank in range(WORLD):
-        verdicts = torch.load(tmp_path / f"verdicts-{rank}.pt")
-        for key, (skipped, scale, unchanged) in verdicts.items():
+        outcomes = torch.load(tmp_path / f"outcomes-{rank}.pt")
+        for key, (skipped, scale, unchanged) in outcomes.items():
             assert skipped and unchanged, (rank, key)
             assert scale == (2.0**15 if "fp16" in key else None), (rank, key)
 
@@ -230,7 +229,6 @@ def test_fit_shards_data_syncs_metrics_and_checkpoints_round_trip(tmp_path):
     # 64 samples, batch 8, two ranks: 4 steps per epoch, each rank seeing half the data.
     full = torch.load(tmp_path / "ddp-result-0.pt")
     state = torch.load(tmp_path / "ddp.pt", weights_only=True)
-    assert state["world_size"] == 2 and len(state["rng_per_rank"]) == 2
     assert not any(k.startswith("module.") for k in state["model"])
     # The DDP checkpoint loads in a single process too.
     model = tiny_mlp(seed=9)
@@ -270,15 +268,6 @@ def test_distributed_modes_need_a_launcher_or_a_group():
             Trainer(model, _optimizer(model), "fp32", device="cpu", distributed=mode)
     with pytest.raises(ValueError, match="'auto'"):
         Trainer(model, _optimizer(model), "fp32", device="cpu", distributed="horovod")
-    assert Trainer(model, _optimizer(model), "fp32", device="cpu").distributed is None  # auto, one process
+    assert Trainer(model, _optimizer(model), "fp32", device="cpu").is_main  # auto: one process
 
 
-def test_fsdp_wrap_refuses_an_optimizer_over_other_tensors_before_sharding():
-    from precisionloop import distributed
-
-    model = tiny_mlp()
-    stray = torch.nn.Parameter(torch.zeros(3))
-    optimizer = torch.optim.SGD([*model.parameters(), stray], lr=0.1)
-    with pytest.raises(ValueError, match="only parameters of the model"):
-        distributed.wrap(model, "fsdp", BF16Policy(), torch.device("cpu"), optimizer)
-    assert optimizer.param_groups[0]["params"][-1] is stray and type(model).__name__ == "Sequential"  # not sharded
