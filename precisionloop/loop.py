@@ -180,7 +180,10 @@ class _Epoch:
         self.skipped_before = trainer.stats.skipped  # counts the steps before this epoch first
         self.steps_before = self.engine.global_step
         self.iterator = _start_epoch(trainer, loader)
-        self.total = len(loader) if hasattr(loader, "__len__") else None
+        try:
+            self.total = len(loader)
+        except TypeError:  # a generator, an IterableDataset's loader
+            self.total = None
         self.first = trainer.batch_in_epoch if self.engine.micro else None  # one opened by hand before fit too
         self.rng: dict | None = None
         self.loss_sum = torch.zeros((), device=trainer.device)

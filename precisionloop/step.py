@@ -129,14 +129,16 @@ class _FusedSGDFirstStep:
 
 def _step_on_host(optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
     """``step()``; a fused SGD group mixing parameters with and without buffers (which torch's fused SGD refuses)
-    steps on the default implementation, which starts each new buffer itself."""
+    steps, gradients unscaled by then, on the default implementation, which starts each new buffer itself."""
     mixed = [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
              and len({optimizer.state.get(p, {}).get("momentum_buffer") is None
                       for p in g["params"] if p.grad is not None}) == 2]
+    if not mixed:
+        return step()
     for group in mixed:
         group["fused"] = False
     try:
-        step()
+        optimizer.step()
     finally:
         for group in mixed:
             group["fused"] = True
@@ -228,15 +230,16 @@ class _Outcome:
     __slots__ = ("found_inf", "loss", "scale", "values", "event")
 
     def __init__(self, found_inf: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor | None):
-        self.found_inf, self.loss, self.event = found_inf, loss, None
-        self.scale = None if scale is None else scale.clone()  # the scaler updates its own in place
-        if found_inf.is_cuda:
-            row = torch.stack([found_inf, loss.to(found_inf.device, torch.float32), *([] if scale is None else [scale])])
-            self.found_inf, self.loss, self.scale = row[0], row[1], None if scale is None else row[2]
-            with torch.inference_mode(False):
-                self.values = row.to("cpu", non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(row.device))
+        self.event = None
+        if not found_inf.is_cuda:  # the scaler updates its scale in place
+            self.found_inf, self.loss, self.scale = found_inf, loss, None if scale is None else scale.clone()
+            return
+        row = torch.stack([found_inf, loss.to(found_inf.device, torch.float32), *([] if scale is None else [scale])])
+        self.found_inf, self.loss, self.scale = row[0], row[1], None if scale is None else row[2]
+        with torch.inference_mode(False):
+            self.values = row.to("cpu", non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record(torch.cuda.current_stream(row.device))
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
@@ -310,7 +313,7 @@ class StepEngine:
         return self.optimizer_step(loss)
 
     def flush(self) -> StepResult | None:
-        """The optimizer step for an incomplete accumulation, its gradients averaged over the micro-batches it holds."""
+        """The optimizer step for an open accumulation, its gradients averaged over what it holds."""
         if self.micro == 0:
             return None
         try:
@@ -329,7 +332,7 @@ class StepEngine:
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
         # A scheduler must have set this step's LR, so with one every earlier outcome is counted first; without,
         # those already on the host or two steps old, so the host never waits for the step just queued.
-        self._count_pending(wait_all=self.scheduler is not None)
+        self.sync(wait_all=self.scheduler is not None)
         params = self.params()
         grads = [p.grad for p in params if p.grad is not None]
         found_inf = self.guard.unscale_and_check(self.optimizer, grads)
@@ -359,7 +362,7 @@ class StepEngine:
     def _count_failed_step(self, found_inf: torch.Tensor, loss: torch.Tensor) -> None:
         """After an error past the update, the step is counted now; a second error is swallowed for the first."""
         with contextlib.suppress(Exception, KeyboardInterrupt):
-            self._count_pending(wait_all=True)
+            self.sync()
         self._pending = []
         with contextlib.suppress(Exception, KeyboardInterrupt):
             scale = self.guard.scale_tensor()
@@ -369,18 +372,14 @@ class StepEngine:
         """Drop the gradients of an open accumulation (after an error, or on load)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.micro, self.unsynced = 0, False
-        if self.guard is not None:
-            self.guard.abandon()
+        self.guard.abandon()
 
-    def sync(self) -> None:
-        """Count every optimizer step's outcome, waiting for them.
+    def sync(self, wait_all: bool = True) -> None:
+        """Count the optimizer steps' outcomes: all of them, waiting, or those on the host and any two steps old.
 
         Raises:
             RuntimeError: ``max_consecutive_skips`` steps in a row were skipped.
         """
-        self._count_pending(wait_all=True)
-
-    def _count_pending(self, wait_all: bool) -> None:
         while self._pending and (wait_all or len(self._pending) > 1 or self._pending[0].ready()):
             values = self._pending[0].read()  # an interrupt in the wait leaves it pending
             self._pending.pop(0)
