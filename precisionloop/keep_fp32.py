@@ -113,7 +113,9 @@ class _FP32Forward:
             torch.Tensor, lambda t: t.float() if t.is_floating_point() and t.element_size() < 4 else t, (args, kwargs))
         # Both always: disabling an inactive autocast is free, and fixed blocks trace cleanly.
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-            return self.__wrapped__(*args, **kwargs)
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)  # dynamo traces no function.__get__
 
     @property
     def __wrapped__(self) -> Any:  # also what inspect.signature(module.forward) reports

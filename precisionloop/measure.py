@@ -159,14 +159,15 @@ def _run_alone(factory: Callable, iters: int, warmup: int, device: torch.device,
 def _alternating_round(factories: Mapping[str, Callable], iters: int, warmup: int, blocks: int,
                        device: torch.device, timer) -> dict:
     """Build and warm up every system, then alternate their timed steps in ``blocks`` blocks (rotated per block)."""
-    runs, times, out = {}, {}, {}
+    runs, times, out, peaks = {}, {}, {}, {}
     try:
         for name, factory in factories.items():
-            try:
+            try:  # the peak over a warm-up step, less what the systems built before hold
+                base = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
                 runs[name] = _as_run(factory())
                 with runs[name].enter():
-                    for _ in range(warmup):
-                        runs[name].step()
+                    _warm_up(runs[name].step, warmup, device)
+                peaks[name] = None if base is None else peak_mb(device) - base
                 times[name] = []
             except Exception as e:  # noqa: BLE001 - as in _run_alone
                 out[name] = _error_text(e)
@@ -180,7 +181,7 @@ def _alternating_round(factories: Mapping[str, Callable], iters: int, warmup: in
                 except Exception as e:  # noqa: BLE001 - as above
                     out[name] = _error_text(e)
                     del times[name]
-        return {**out, **{name: (statistics.median(t), None, None) for name, t in times.items()}}
+        return {**out, **{name: (statistics.median(t), peaks[name], None) for name, t in times.items()}}
     finally:
         for run in runs.values():
             if run.teardown is not None:
@@ -194,8 +195,8 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
 
     By default each system runs alone (its memory freed before the next), its round's figure the median step;
     ``pipelined=True`` times its steps back to back (:func:`time_block`); ``blocks=k`` builds the round's systems
-    side by side and alternates their timed steps in ``k`` blocks, so a drifting host moves them alike (no peak
-    memory then). A system that raises gets ``error`` and is not run again.
+    side by side and alternates their timed steps in ``k`` blocks, so a drifting host moves them alike (each peak
+    then taken over its warm-up, less what the systems built before it hold). A system that raises gets ``error`` and is not run again.
 
     Args:
         systems: name -> factory building a fresh model and optimizer, returning a step callable or a :class:`Run`.
@@ -228,7 +229,8 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
                 continue
             m.rounds_ms.append(result[0])
             if result[1] is not None:  # CUDA: the highest round's peaks
-                m.peak_mb, m.reserved_mb = max(m.peak_mb or 0, result[1]), max(m.reserved_mb or 0, result[2])
+                m.peak_mb = max(m.peak_mb or 0, result[1])
+                m.reserved_mb = None if result[2] is None else max(m.reserved_mb or 0, result[2])
     reset_memory(device)
     return results
 

@@ -65,7 +65,7 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | to
 
 def _auto_policy(device: torch.device) -> PrecisionPolicy:
     if device.type == "cuda":
-        label = torch.cuda.get_device_name(device)
+        label = f"{torch.cuda.get_device_name(device)} (compute capability {torch.cuda.get_device_capability(device)})"
         policy: PrecisionPolicy = (BF16Policy(note=f"auto: {label} has native bf16") if cuda_bf16_native(device)
                                    else FP16Policy(note=f"auto: {label} has no native bf16, so fp16 with loss scaling"))
     elif device.type == "cpu" and _compat.cpu_bf16_native():
