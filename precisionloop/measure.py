@@ -73,7 +73,7 @@ def _warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> N
     before = warmup - 1 if warmup >= 2 else warmup
     for _ in range(before):
         step()
-    if device.type == "cuda":
+    if device.type == "cuda" and warmup:  # never between the blocks of alternating steps: the cache stays warm
         _sync(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
