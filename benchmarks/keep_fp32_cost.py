@@ -15,9 +15,15 @@ import json
 import torch
 
 from precisionloop import BF16Policy, Trainer
-from precisionloop.keep_fp32 import entries_from_text
 from precisionloop.measure import Run, format_memory, format_ratio, format_time, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
+
+
+def _entries(text: str) -> tuple:
+    """keep_fp32 entries from comma-separated names: a ``torch.nn`` class by its name (``"LayerNorm, head"``), else
+    a module-name pattern."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return tuple(getattr(torch.nn, n) if isinstance(getattr(torch.nn, n, None), type) else n for n in names)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    policies = {"bf16": BF16Policy(), f"bf16 keep_fp32={args.keep}": BF16Policy(keep_fp32=entries_from_text(args.keep))}
+    policies = {"bf16": BF16Policy(), f"bf16 keep_fp32={args.keep}": BF16Policy(keep_fp32=_entries(args.keep))}
 
     def factory(policy):
         def build() -> Run:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -91,13 +92,6 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: float) -> None:
     torch._foreach_mul_(tensors, factor)
 
 
-def compile_modes() -> list[str]:
-    """The mode names ``torch.compile`` accepts."""
-    from torch._inductor import list_mode_options
-
-    return list(list_mode_options())
-
-
 def compile_error_types() -> tuple[type[BaseException], ...]:
     """The exception types ``torch.compile`` raises when tracing or compiling fails."""
     from torch._dynamo.exc import TorchDynamoException
@@ -105,25 +99,13 @@ def compile_error_types() -> tuple[type[BaseException], ...]:
     return (TorchDynamoException,)
 
 
-class compiled_backward_like_eager:
-    """Inside the block, a compiled backward runs without autocast, as the eager one does.
+def compiled_backward_like_eager() -> contextlib.AbstractContextManager:
+    """Inside the block a compiled backward runs without autocast, as the eager one does: torch's default
+    (``backward_pass_autocast="same_as_forward"``) would recast to bf16/fp16 the backward of ``keep_fp32`` regions."""
+    import torch._functorch.config as config
 
-    torch's default (``backward_pass_autocast="same_as_forward"``) traces it under the forward's autocast, recasting
-    to bf16/fp16 the backward of regions that ran with autocast off (``keep_fp32`` modules). Older torch: no-op.
-    """
-
-    def __enter__(self) -> None:
-        import torch._functorch.config as config
-
-        self._saved = getattr(config, "backward_pass_autocast", None)
-        if self._saved is not None:
-            config.backward_pass_autocast = "off"
-
-    def __exit__(self, *exc) -> None:
-        if self._saved is not None:
-            import torch._functorch.config as config
-
-            config.backward_pass_autocast = self._saved
+    return config.patch(backward_pass_autocast="off") if hasattr(config, "backward_pass_autocast") else (
+        contextlib.nullcontext())
 
 
 def compiled_original(module: nn.Module) -> nn.Module:

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _compat
-from . import distributed as _dist
+from . import _compat, distributed as _dist
 
 try:
     import numpy as np
@@ -26,6 +25,7 @@ except ImportError:  # numpy is optional; its RNG is saved only when it is there
 
 FORMAT = "precisionloop-checkpoint"
 VERSION = 1  # the layout 0.2.0 wrote too, so its checkpoints load
+_WRITER = next((d.version for d in importlib.metadata.distributions(name="precisionloop")), "unknown")
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -58,12 +58,7 @@ def _umask() -> int:
 
 
 def read(path: str | os.PathLike) -> dict:
-    """Load a precisionloop checkpoint with ``weights_only=True``.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: the file is truncated, corrupt, not a precisionloop checkpoint, or from a newer version.
-    """
+    """Load a precisionloop checkpoint with ``weights_only=True``; a ValueError for a damaged or foreign file."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError):
@@ -112,7 +107,7 @@ def trainer_state(trainer) -> dict:
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
     rng = rng_state()
     return {
-        "format": FORMAT, "version": VERSION, "written_by": f"precisionloop {_version()}",
+        "format": FORMAT, "version": VERSION, "written_by": "precisionloop " + _WRITER,
         "precision": trainer.policy.name,
         "model": model_state, "optimizer": optimizer_state, "optimizer_class": type(trainer.optimizer).__name__,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -129,19 +124,8 @@ def trainer_state(trainer) -> dict:
     }
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("precisionloop")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def load_state(trainer, state: dict, source: str) -> None:
-    """:meth:`Trainer.load_state_dict`'s body: every check first, then every change.
-
-    Raises:
-        ValueError: naming what does not fit; nothing was changed.
-    """
+    """:meth:`Trainer.load_state_dict`'s body: every check first, then every change."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{source} is not a precisionloop Trainer state (Trainer.state_dict's dict, with "
                          f"format={FORMAT!r}); nothing was loaded")

@@ -11,8 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from . import _compat
-from . import keep_fp32 as fp32_modules
+from . import _compat, keep_fp32 as fp32_modules
 
 __all__ = ["world_size", "rank", "is_main", "barrier"]
 
@@ -39,11 +38,8 @@ def barrier() -> None:
 
 
 def resolve(mode: str | None, device: str | torch.device | None) -> tuple[str | None, Any]:
-    """The mode (``"ddp"``, ``"fsdp"`` or None) and device (None: the default); starts the process group if needed.
-
-    Raises:
-        ValueError: an unknown mode, or ``"ddp"``/``"fsdp"`` outside torchrun with no process group.
-    """
+    """The mode (``"ddp"``, ``"fsdp"`` or None) and device (None: the default), the process group started if needed;
+    a ValueError for an unknown mode, or ``"ddp"``/``"fsdp"`` outside torchrun with no process group."""
     if mode not in ("auto", "ddp", "fsdp", None):
         raise ValueError(f"distributed must be 'auto', 'ddp', 'fsdp' or None; got {mode!r}")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -56,10 +52,10 @@ def resolve(mode: str | None, device: str | torch.device | None) -> tuple[str | 
         raise ValueError(f"distributed={mode!r} needs torchrun (RANK and WORLD_SIZE set) or an initialised process "
                          "group; use distributed=None to train in one process")
     device = torch.device(device) if device is not None else None
-    if (device is None and torch.cuda.is_available()) or (device is not None and device.type == "cuda"):
-        index = device.index if device is not None and device.index is not None else int(
-            os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
-        device = torch.device("cuda", index)
+    if device is None and torch.cuda.is_available() or device is not None and device.type == "cuda":
+        index = os.environ.get("LOCAL_RANK", torch.cuda.current_device()) if device is None or device.index is None \
+            else device.index
+        device = torch.device("cuda", int(index))
         torch.cuda.set_device(device)  # before NCCL starts, so each rank owns its GPU
     if not _initialised():
         dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo")
@@ -79,11 +75,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def wrap(model: nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.device,
          optimizer: torch.optim.Optimizer) -> nn.Module:
-    """DDP-wrap or FSDP2-shard ``model``; under FSDP2 ``optimizer`` is repointed at the sharded parameters by name.
-
-    Raises:
-        ValueError: under FSDP2, the optimizer has state or a fused kernel FSDP2 cannot take.
-    """
+    """DDP-wrap or FSDP2-shard ``model``; under FSDP2 ``optimizer`` is repointed at the sharded parameters by name
+    (a ValueError if it has state, or a fused kernel FSDP2 cannot take)."""
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if optimizer.state:
@@ -135,12 +128,12 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def average_gradients(model: nn.Module, params: list[nn.Parameter]) -> None:
+def average_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """All-reduce gradients that a no_sync backward left local (DDP); FSDP2 cannot do this after the fact."""
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise RuntimeError("an accumulation under FSDP ended without a synchronising backward; let fit() close "
                            "epochs, or complete the accumulation before flush()")
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     for g in grads:
         dist.all_reduce(g, op=dist.ReduceOp.SUM)
     _compat.foreach_mul_(grads, 1 / world_size())

@@ -14,8 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from . import _compat
-from . import keep_fp32 as fp32_modules
+from . import _compat, keep_fp32 as fp32_modules
 from .policy import BF16Policy
 
 log = logging.getLogger(__name__)

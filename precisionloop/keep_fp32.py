@@ -11,8 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["validate_keep_fp32", "select_modules", "keep_fp32_", "is_kept", "within", "entry_names",
-           "entries_from_text"]
+__all__ = ["validate_keep_fp32", "select_modules", "keep_fp32_", "is_kept", "within", "entry_names"]
 
 
 def validate_keep_fp32(entries: Any) -> tuple:
@@ -92,12 +91,6 @@ def within(name: str, names: Iterable[str]) -> bool:
 def entry_names(entries: Iterable) -> list[str]:
     """``keep_fp32`` entries as strings (classes by qualified name), for checkpoints and messages."""
     return [e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in entries]
-
-
-def entries_from_text(text: str) -> tuple:
-    """Entries from comma-separated names, a ``torch.nn`` class by its name (``"LayerNorm, head"``), else patterns."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    return validate_keep_fp32([getattr(nn, n) if isinstance(getattr(nn, n, None), type) else n for n in names])
 
 
 class _FP32Forward:

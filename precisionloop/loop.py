@@ -1,9 +1,5 @@
 """The loop around the step: ``fit`` and ``evaluate``, progress, callbacks, loggers, periodic checkpoints and the
-replay that resumes an epoch exactly.
-
-Training goes through ``trainer.step`` and ``flush``, validation through ``forward_batch``/``compute_loss``, so a
-subclass's overrides are honoured in both.
-"""
+replay that resumes an epoch exactly. It trains through ``trainer.step``, so a subclass's overrides count."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import checkpoint, diagnostics
-from . import distributed as _dist
+from . import checkpoint, diagnostics, distributed as _dist
 
 __all__ = ["Checkpoints"]
 
@@ -106,7 +101,7 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
         while trainer.epoch < epochs and not reached():
             record = _Epoch(trainer, train_loader, options).run(epochs)
             if val_loader is not None and (record["complete"] or reached()):
-                record.update(_validate(trainer, val_loader, metrics or {}))
+                record.update(validate(trainer, val_loader, metrics or {}))
             if record["complete"]:
                 if trainer.scheduler_interval == "epoch":
                     trainer.scheduler.step(*([record["val_loss"]] if plateau else []))
@@ -168,12 +163,10 @@ def _generators_of(loader: Iterable) -> list[torch.Generator]:
 
 
 class _Epoch:
-    """One epoch of ``fit``: its batches, the losses summed on the device (no sync per step), the time spent
-    waiting for input, and the first batch of the open accumulation.
+    """One epoch of ``fit``: the losses summed on the device (no sync per step), the time spent waiting for input.
 
-    An exception escaping the epoch before an accumulation's optimizer step drops its gradients and puts
-    ``batch_in_epoch`` (and, when accumulating, the RNG state) back to its first batch: the next ``fit`` replays it.
-    """
+    An exception escaping before an accumulation's optimizer step drops its gradients and puts ``batch_in_epoch``
+    (and, when accumulating, the RNG state) back to its first batch: the next ``fit`` replays it."""
 
     def __init__(self, trainer, loader: Iterable, options: dict):
         self.trainer, self.engine, self.options = trainer, trainer._engine, options
@@ -194,8 +187,8 @@ class _Epoch:
 
     def run(self, epochs: int) -> dict:
         trainer = self.trainer
-        bar = tqdm(total=self.total, initial=trainer.batch_in_epoch, desc=f"epoch {trainer.epoch + 1}/{epochs} {trainer.policy.name}",
-                   disable=not self.options["progress"], dynamic_ncols=True)
+        bar = tqdm(total=self.total, initial=trainer.batch_in_epoch, disable=not self.options["progress"],
+                   desc=f"epoch {trainer.epoch + 1}/{epochs} {trainer.policy.name}", dynamic_ncols=True)
         try:
             with trainer.policy.backend_flags(trainer.device.type):
                 complete = self._train(bar)
@@ -300,10 +293,9 @@ def _log_step(trainer, loggers, samples_per_s: float) -> None:
 
 
 def _postfix(engine, data_fraction: float) -> dict:
-    postfix = {"loss": "-" if engine.last_loss is None else f"{engine.last_loss:.4g}", "skipped": engine.stats.skipped}
-    if engine.stats.scale is not None:
-        postfix["scale"] = f"{engine.stats.scale:g}"
-    return {**postfix, "data": f"{data_fraction:.0%}"}
+    scale = {} if engine.stats.scale is None else {"scale": f"{engine.stats.scale:g}"}
+    return {"loss": f"{engine.last_loss:.4g}" if engine.last_loss is not None else "-", "skipped": engine.stats.skipped,
+            **scale, "data": f"{data_fraction:.0%}"}
 
 
 def _underflow_probe(trainer, every: int):
@@ -317,13 +309,7 @@ def _underflow_probe(trainer, every: int):
     return probe
 
 
-def evaluate(trainer, loader: Iterable, metrics: Mapping | None) -> dict[str, float]:
-    """:meth:`Trainer.evaluate`'s body."""
-    check_loader("loader", loader)
-    return _validate(trainer, loader, metrics or {})
-
-
-def _validate(trainer, loader: Iterable, metrics: Mapping) -> dict[str, float]:
+def validate(trainer, loader: Iterable, metrics: Mapping) -> dict[str, float]:
     """Mean loss and metrics over ``loader``: eval mode, no grad, the policy's autocast; the RNG put back after."""
     model, device = trainer.model, trainer.device
     was_training, rng = model.training, checkpoint.rng_state()  # a DataLoader draws its seeds when iterated

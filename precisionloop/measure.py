@@ -201,16 +201,14 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
                 timer: Callable[[], float] = time.perf_counter) -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated left by the round.
 
-    By default each system runs alone (its memory freed before the next), its round's figure the median step;
-    ``pipelined=True`` times its steps back to back (:func:`time_block`); ``blocks=k`` builds the round's systems
-    side by side and alternates their timed steps in ``k`` blocks, so a drifting host moves them alike (each peak
-    then taken over its warm-up, less what the systems built before it hold). A system that raises gets ``error`` and is not run again.
+    Alone by default (the round's figure is the median step); ``pipelined=True`` times the steps back to back;
+    ``blocks=k`` builds the round's systems side by side and alternates their timed steps in ``k`` blocks, so a
+    drifting host moves them alike (each peak taken over its warm-up, less what the systems built before hold). A
+    system that raises gets ``error`` and is not run again.
 
     Args:
         systems: name -> factory building a fresh model and optimizer, returning a step callable or a :class:`Run`.
-        iters, warmup: timed and untimed steps per system and round.
         on_run: called as ``on_run(round_index, name)`` before each round's systems are built.
-        timer: the clock off CUDA, in seconds.
 
     Raises:
         ValueError: ``rounds`` or ``iters`` below 1, ``warmup`` below 0, ``blocks`` outside 1..iters (or pipelined).

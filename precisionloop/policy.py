@@ -10,18 +10,14 @@ from typing import ClassVar, Iterator
 import torch
 from torch import nn
 
-from . import _compat
-from . import keep_fp32 as fp32_modules
+from . import _compat, keep_fp32 as fp32_modules
 
 __all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "BF16PurePolicy", "FP16Policy", "resolve_device"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
-    """An immutable description of how a training step handles precision.
-
-    The Trainer reaches a policy only through its methods and ``name``, ``compute_dtype`` and ``keep_fp32``:
-    subclass it (or a concrete policy) for custom hardware.
+    """How a training step handles precision, immutable; subclass it (or a concrete policy) for custom hardware.
 
     Args:
         tf32: let fp32 matmuls and convolutions use TF32 tensor cores on CUDA.
@@ -69,7 +65,7 @@ class PrecisionPolicy:
         if device_type != "cuda":
             return contextlib.nullcontext()  # the flags steer CUDA kernels only
         benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
-        return _flags_set((*_tf32_values(self.tf32), benchmark))
+        return _flags_set((*("tf32" if self.tf32 else "ieee",) * 3, benchmark))
 
     def check_compile(self, mode: str | None, device_type: str) -> None:
         """Warn if this policy is known to run slowly with this compile mode; silent by default."""
@@ -83,11 +79,8 @@ class PrecisionPolicy:
         return torch.contiguous_format
 
     def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
-        """Raise, before anything changes, if this policy cannot apply to ``model`` on ``device``.
-
-        Raises:
-            ValueError: a ``keep_fp32`` pattern matches no module, or layers were converted to fp8 earlier.
-        """
+        """Raise a ValueError, before anything changes, if this policy cannot apply to ``model`` on ``device``: a
+        ``keep_fp32`` pattern matches no module, or layers were converted to fp8 earlier."""
         inner = _compat.compiled_original(model.module if isinstance(model, nn.parallel.DistributedDataParallel)
                                           else model)
         fp32_modules.select_modules(inner, self.keep_fp32)
@@ -97,11 +90,7 @@ class PrecisionPolicy:
                              "the model anew (its state_dict keys are the same) to train it under this policy")
 
     def check_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Raise, before anything changes, unless the weights are fp32 master weights.
-
-        Raises:
-            ValueError: a floating-point parameter is not fp32 (the message names it).
-        """
+        """Raise a ValueError, before anything changes, unless the weights are fp32 master weights."""
         reduced = self.compute_dtype != torch.float32
         bad = [f"{n} ({p.dtype})" for n, p in model.named_parameters() if p.is_floating_point()
                and p.dtype != torch.float32 and (p.dtype in (torch.float16, torch.bfloat16) or reduced)]
@@ -112,11 +101,7 @@ class PrecisionPolicy:
                 "first; or, for bf16 weights with no fp32 copy, use precision='bf16-pure'")
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Check the device runs this policy, convert the model's layout, keep the ``keep_fp32`` modules fp32.
-
-        Raises:
-            ValueError: the device cannot run ``compute_dtype`` natively.
-        """
+        """Check the device runs this policy (else a ValueError), set the layout, keep ``keep_fp32`` modules fp32."""
         device = next((p.device for p in model.parameters()), None)
         if device is not None:
             _check_device_support(self.name, self.compute_dtype, device)
@@ -138,11 +123,7 @@ class FP32Policy(PrecisionPolicy):
         return "tf32" if self.tf32 else "fp32"
 
     def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
-        """As :meth:`PrecisionPolicy.check_model`; also refuses tf32 on a device without TF32, where it is fp32.
-
-        Raises:
-            ValueError: as :meth:`PrecisionPolicy.check_model`, or ``tf32`` on a device without TF32.
-        """
+        """As :meth:`PrecisionPolicy.check_model`, and a ValueError for tf32 where there is no TF32 (it is fp32)."""
         super().check_model(model, device)
         if self.tf32 and device is not None and not has_tf32(device):
             where = "the CPU" if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
@@ -171,11 +152,7 @@ class BF16PurePolicy(BF16Policy):
     name: ClassVar[str] = "bf16-pure"
 
     def check_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Raise unless the parameters are fp32 or bf16 and the optimizer rounds its update stochastically.
-
-        Raises:
-            ValueError: a parameter of another floating dtype, or an optimizer without ``bf16_stochastic_round``.
-        """
+        """Raise a ValueError unless the parameters are fp32 or bf16 and the optimizer rounds stochastically."""
         bad = [f"{n} ({p.dtype})" for n, p in model.named_parameters()
                if p.is_floating_point() and p.dtype not in (torch.float32, torch.bfloat16)]
         if bad:
@@ -220,20 +197,11 @@ class FP16Policy(PrecisionPolicy):
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to train on: the current CUDA device, else the CPU, by default; CUDA devices get an index.
-
-    Raises:
-        ValueError: CUDA is asked for and not available.
-    """
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    """The device to train on: the current CUDA device, else the CPU, by default; a CUDA device gets its index."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
 
 
 def cuda_bf16_native(device: torch.device) -> bool:
@@ -273,27 +241,17 @@ def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -
                       "precision='bf16'", UserWarning, stacklevel=_compat.stacklevel_outside_package())
 
 
-# torch >= 2.9 has per-backend ``fp32_precision`` settings, and mixing them with the legacy ``allow_tf32``
-# switches raises, so use whichever API this torch provides.
+# The TF32 switches (torch's per-backend fp32_precision: "tf32" or "ieee"), then cudnn.benchmark, as labelled.
 _MATMUL, _CUDNN = torch.backends.cuda.matmul, torch.backends.cudnn
-_NEW_TF32_API = hasattr(_MATMUL, "fp32_precision")
-_FLAGS = (((_MATMUL, "fp32_precision"), (_CUDNN.conv, "fp32_precision"), (_CUDNN.rnn, "fp32_precision"))
-          if _NEW_TF32_API else ((_MATMUL, "allow_tf32"), (_CUDNN, "allow_tf32"))) + ((_CUDNN, "benchmark"),)
-
-
-_LABELS = (("cuda.matmul.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision") if _NEW_TF32_API
-           else ("cuda.matmul.allow_tf32", "cudnn.allow_tf32")) + ("cudnn.benchmark",)
+_FLAGS = ((_MATMUL, "fp32_precision"), (_CUDNN.conv, "fp32_precision"), (_CUDNN.rnn, "fp32_precision"),
+          (_CUDNN, "benchmark"))
+_LABELS = ("cuda.matmul.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision", "cudnn.benchmark")
 # torch's own defaults ("none" defers to the global setting): a value among them is not the user's choice.
-_DEFAULTS = (("none", "ieee"), ("none", "tf32"), ("none", "tf32"), (False,)) if _NEW_TF32_API else (
-    (False,), (True,), (False,))
+_DEFAULTS = (("none", "ieee"), ("none", "tf32"), ("none", "tf32"), (False,))
 
 
 def _current() -> tuple:
     return tuple(getattr(owner, name) for owner, name in _FLAGS)
-
-
-def _tf32_values(tf32: bool) -> tuple:
-    return ("tf32" if tf32 else "ieee",) * 3 if _NEW_TF32_API else (tf32, tf32)
 
 
 @contextlib.contextmanager

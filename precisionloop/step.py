@@ -1,9 +1,6 @@
-"""The training step: forward and loss under autocast, backward, and every ``grad_accum_steps`` micro-batches one
-optimizer step behind a gradient guard, which owns loss scaling and the inf/NaN check under every precision.
-
-Each optimizer step's outcome (found inf, loss, scale) stays on the device and is copied to the host without
-blocking, then counted later, so a fused optimizer never waits for the step just queued.
-"""
+"""The training step: forward and loss under autocast, backward, and every ``grad_accum_steps`` micro-batches an
+optimizer step behind the gradient guard (loss scaling, the inf/NaN check). Each step's outcome reaches the host
+without blocking and is counted later, so a fused optimizer never waits for the step just queued."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import _compat
-from . import distributed as _dist
+from . import _compat, distributed as _dist
 
 __all__ = ["StepResult", "TrainStats"]
 
@@ -100,13 +96,9 @@ def _check_loss(loss: Any) -> None:
 
 
 class _FusedSGDFirstStep:
-    """Whether a fused SGD with momentum is about to step a parameter without a momentum buffer.
-
-    torch's fused SGD makes the buffers with ``empty_like`` and fills them in the kernel, so a step skipped on the
-    device leaves them uninitialised and the next step reads garbage into the weights: until the buffers exist,
-    the skip is decided on the host. The scan is redone only when the groups or the state's size change, or when
-    a parameter that then had no buffer has a gradient.
-    """
+    """Whether a fused SGD with momentum is about to step a parameter without a momentum buffer: torch makes them
+    with ``empty_like`` and fills them in the kernel, so a step skipped on the device would leave garbage there.
+    Until they exist the skip is decided on the host; the scan is redone only when the groups or the state change."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -205,12 +197,9 @@ def make_guard(scaler: torch.amp.GradScaler | None, distributed: str | None, dev
 
 
 def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
-    """Switch a torch SGD, Adam or AdamW on CUDA at its default implementation to its fused one; True if switched.
-
-    The fused kernels take the inf/NaN flag as a device tensor, so a guarded step needs no host sync; the algorithm
-    is the same. Left alone: other classes, an optimizer with state or off CUDA, a group that chose ``fused``,
-    ``foreach``, ``capturable`` or ``differentiable`` itself, non-float parameters, sparse embeddings.
-    """
+    """Switch a torch SGD, Adam or AdamW on CUDA left at its default implementation to its fused one, which takes
+    the inf/NaN flag as a device tensor (no host sync); the algorithm is the same. A group that chose its own
+    implementation, an optimizer with state, non-float parameters and sparse embeddings are left alone."""
     groups = optimizer.param_groups
     if (type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or optimizer.state
             or any(g.get("fused") is not None or g.get("foreach") or g.get("capturable") or g.get("differentiable")
@@ -223,9 +212,8 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -
 
 
 class _Outcome:
-    """An optimizer step's found inf, loss and scale on their way to the host. On CUDA one row, copied without
-    blocking (torch pins the copy) with an event after it; the row also keeps the loss a CUDA-graph replay would
-    overwrite. Elsewhere the tensors themselves, read at once."""
+    """A step's found inf, loss and scale on their way to the host: on CUDA one row (which also keeps the loss from
+    the next CUDA-graph replay), copied without blocking, an event after it; elsewhere the tensors, read at once."""
 
     __slots__ = ("found_inf", "loss", "scale", "values", "event")
 
@@ -252,11 +240,8 @@ class _Outcome:
 
 
 class StepEngine:
-    """Accumulation, the guarded optimizer step, clipping, counting outcomes and the skip limit.
-
-    ``compute_loss(batch)`` gives one micro-batch's loss. ``probe``, when set, is called with the optimizer step's
-    number after the gradients are unscaled and before they are clipped (``fit``'s underflow figures).
-    """
+    """Accumulation, the guarded optimizer step, clipping, counting outcomes and the skip limit. ``probe`` is called
+    with the step's number between unscaling and clipping (``fit``'s underflow figures)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: _Guard, *,
                  autocast: Callable[[], Any], compile_mode: str | None, compute_loss: Callable[[Any], Any],
@@ -273,10 +258,7 @@ class StepEngine:
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
 
     def step(self, batch: Any) -> StepResult:
-        """One micro-batch: forward and backward, then the optimizer step if the accumulation is complete.
-
-        An exception (a Ctrl-C too) discards the open accumulation: no partial gradient leaks into the next step.
-        """
+        """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
         try:
             with torch.enable_grad():  # a step under the caller's no_grad() still trains
                 if self.compile_mode is None:
@@ -319,21 +301,17 @@ class StepEngine:
         try:
             with torch.inference_mode(False):  # optimizer state made in inference mode could not be updated later
                 if self.unsynced:
-                    _dist.average_gradients(self.model, self.params())
-                return self.optimizer_step(torch.full((), float("nan"), device=self.params()[0].device))
+                    _dist.average_gradients(self.model, self.optimizer)
+                return self.optimizer_step(torch.full((), float("nan")))
         except BaseException:
             self.discard_accumulation()
             raise
-
-    def params(self) -> list[nn.Parameter]:
-        """The optimizer's parameters now: one added later (``add_param_group``) is checked and clipped too."""
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
         # A scheduler must have set this step's LR, so with one every earlier outcome is counted first; without,
         # those already on the host or two steps old, so the host never waits for the step just queued.
         self.sync(wait_all=self.scheduler is not None)
-        params = self.params()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]  # add_param_group too
         grads = [p.grad for p in params if p.grad is not None]
         found_inf = self.guard.unscale_and_check(self.optimizer, grads)
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
@@ -352,21 +330,13 @@ class StepEngine:
             self._pending.append(outcome)
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced, self.global_step = 0, False, self.global_step + 1
-            if outcome is None:
-                self._count_failed_step(found_inf, loss)
+            if outcome is None:  # counted with the others (a second error would hide the first)
+                with contextlib.suppress(Exception):
+                    self._pending.append(_Outcome(found_inf, loss, None))
         self.optimizer.zero_grad(set_to_none=True)
         if outcome.event is None:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
         return StepResult(outcome.loss, True, found_inf=outcome.found_inf, scale=outcome.scale, grad_norm=grad_norm)
-
-    def _count_failed_step(self, found_inf: torch.Tensor, loss: torch.Tensor) -> None:
-        """After an error past the update, the step is counted now; a second error is swallowed for the first."""
-        with contextlib.suppress(Exception, KeyboardInterrupt):
-            self.sync()
-        self._pending = []
-        with contextlib.suppress(Exception, KeyboardInterrupt):
-            scale = self.guard.scale_tensor()
-            self._count([float(found_inf), float(loss), *([] if scale is None else [float(scale)])])
 
     def discard_accumulation(self) -> None:
         """Drop the gradients of an open accumulation (after an error, or on load)."""
@@ -375,11 +345,7 @@ class StepEngine:
         self.guard.abandon()
 
     def sync(self, wait_all: bool = True) -> None:
-        """Count the optimizer steps' outcomes: all of them, waiting, or those on the host and any two steps old.
-
-        Raises:
-            RuntimeError: ``max_consecutive_skips`` steps in a row were skipped.
-        """
+        """Count the steps' outcomes: all, waiting; else those on the host and any two steps old (skip limit too)."""
         while self._pending and (wait_all or len(self._pending) > 1 or self._pending[0].ready()):
             values = self._pending[0].read()  # an interrupt in the wait leaves it pending
             self._pending.pop(0)

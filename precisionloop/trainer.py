@@ -12,9 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import _compat, checkpoint, loop, tuning
-from . import distributed as _dist
-from . import keep_fp32 as fp32_modules
+from . import checkpoint, loop, tuning, distributed as _dist, keep_fp32 as fp32_modules
 from .loop import Checkpoints
 from .memory import MemoryBreakdown, memory_breakdown
 from .policy import PrecisionPolicy, resolve_device, warn_overridden_flags
@@ -223,17 +221,15 @@ class Trainer:
 
     def evaluate(self, loader: Iterable, metrics: Mapping[str, Any] | None = None) -> dict[str, float]:
         """``{"val_loss": mean loss, name: metric, ...}`` over ``loader``: eval mode, no grad, the policy's autocast."""
-        return loop.evaluate(self, loader, metrics)
+        loop.check_loader("loader", loader)
+        return loop.validate(self, loader, metrics or {})
 
     @classmethod
     def autotuned(cls, model: nn.Module, optimizer: torch.optim.Optimizer, sample_batch: Any, *,
                   candidates: Sequence[tuning.Candidate] | None = None, compile: bool = False, steps: int = 10,
                   warmup: int = 3, rounds: int = 3, tolerance: float = 0.05, **trainer_options: Any) -> Trainer:
-        """A Trainer at the configuration :func:`precisionloop.autotune` picks on ``sample_batch``.
-
-        Each candidate is timed on a copy of the model with a fresh optimizer of the same class and hyperparameters,
-        through this class (so its ``forward_batch``/``compute_loss`` is what is timed); the table is
-        ``trainer.autotune_result``. ``compile=True`` adds compiled candidates; other options go to the Trainer.
+        """A Trainer at the fastest sound configuration on ``sample_batch``, each candidate timed through this class
+        on a copy of the model with a fresh optimizer like ``optimizer``; the table is ``trainer.autotune_result``.
 
         Raises:
             RuntimeError: every candidate was rejected.
@@ -305,14 +301,9 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, i
 
 
 def _compile_mode(compile: bool | str, device: torch.device) -> str | None:
-    if compile is False:
-        return None
-    if compile is True:
-        return "reduce-overhead" if device.type == "cuda" else "default"
-    if compile not in _compat.compile_modes():
-        raise ValueError(f"compile must be False, True or a torch.compile mode among "
-                         f"{', '.join(_compat.compile_modes())}; got {compile!r}")
-    return compile
+    """``compile=`` as a torch.compile mode (torch refuses an unknown one); ``True``: CUDA graphs on CUDA."""
+    return None if compile is False else ("reduce-overhead" if device.type == "cuda" else "default") if compile is True \
+        else compile
 
 
 def autotune(model: nn.Module, optimizer_factory: Callable, sample_batch: Any, **options: Any) -> tuning.AutotuneResult:
@@ -320,9 +311,7 @@ def autotune(model: nn.Module, optimizer_factory: Callable, sample_batch: Any, *
 
     Args:
         optimizer_factory: builds a fresh optimizer from parameters, e.g. ``lambda p: torch.optim.AdamW(p)``.
-        sample_batch: one real batch, as ``Trainer.step`` takes it.
-        options: :func:`precisionloop.tuning.tune`'s (``candidates``, ``compile``, ``steps``, ``tolerance``, ...)
-            and the Trainer's.
+        options: :func:`precisionloop.tuning.tune`'s (``candidates``, ``compile``, ...) and the Trainer's.
 
     Raises:
         RuntimeError: every candidate was rejected.

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from . import fp8, measure
-from .policy import resolve_device
-from .policy import PrecisionPolicy
+from .policy import PrecisionPolicy, resolve_device
 from .precisions import get_policy
 
 __all__ = ["Candidate", "CandidateResult", "AutotuneResult", "default_candidates", "tune", "optimizer_like"]
@@ -101,22 +100,17 @@ def tune(trainer_cls: type, model: nn.Module, make_optimizer: _OptimizerFactory,
     """Train copies of ``model`` for a few steps under each candidate and pick the fastest sound one.
 
     Each candidate is ``trainer_cls(copy of model, make_optimizer(its parameters), policy, compile=...,
-    **trainer_options)`` (so a subclass's ``forward_batch`` and ``compute_loss`` are timed), stepping
-    ``sample_batch`` in ``rounds`` interleaved rounds, a fresh copy each (:func:`measure.interleaved`). A candidate
-    is rejected if it fails or skips a step, or if its loss at any step of the first round differs from strict
-    fp32's by more than ``tolerance`` times the first loss. Within each other's spread the simpler candidate wins
-    (eager, then the default layout). ``model`` itself is not touched, nor the RNG.
+    **trainer_options)`` stepping ``sample_batch`` in ``rounds`` interleaved rounds, a fresh copy each. It is
+    rejected if it fails or skips a step, or if its loss in the first round strays from strict fp32's by more than
+    ``tolerance`` times the first loss. Within each other's spread the simpler one wins (eager, then the default
+    layout). ``model`` and the RNG are left as they were.
 
     Args:
-        trainer_cls: :class:`precisionloop.Trainer` or a subclass.
-        make_optimizer: builds a fresh optimizer from parameters, e.g. ``lambda p: torch.optim.AdamW(p)``.
-        sample_batch: one real batch, as ``Trainer.step`` takes it.
         candidates: what to try; :func:`default_candidates` (``compile`` passed on) when None.
-        steps: timed steps per round, counted in the loss comparison (``warmup`` steps too).
-        trainer_options: further ``trainer_cls`` arguments (``device``, ``loss_fn``, ...); trials run on one process.
+        steps: timed steps per round, compared by their loss (``warmup`` steps too).
+        trainer_options: further ``trainer_cls`` arguments (``device``, ``loss_fn``, ...); trials run in one process.
 
     Raises:
-        ValueError: bad counts (see :func:`measure.interleaved`).
         RuntimeError: every candidate was rejected.
     """
     device = resolve_device(trainer_options.get("device"))
@@ -132,11 +126,9 @@ def tune(trainer_cls: type, model: nn.Module, make_optimizer: _OptimizerFactory,
                for c, (_, seen) in trials.items() if c in candidates]
     accepted = [r for r in results if r.rejected is None]
     if not accepted:
-        hint = ("\nonly the loss drift rejected them, on one sample batch, which a model that memorises it amplifies: "
-                "if the curves both fall, raise tolerance or time fewer steps"
-                if all(r.drift is not None and r.rejected.startswith("loss drift") for r in results) else "")
-        raise RuntimeError("autotune: every candidate was rejected:\n" + "\n".join(
-            f"  {r.candidate.label}: {r.rejected}" for r in results) + hint)
+        drift = all(r.rejected.startswith("loss drift") for r in results)
+        raise RuntimeError(f"autotune: every candidate was rejected{': raise tolerance?' if drift else ''}\n"
+                           + "\n".join(f"  {r.candidate.label}: {r.rejected}" for r in results))
     best = _choose(accepted, model, device)
     return AutotuneResult(best, best.policy(device), results, tolerance)
 

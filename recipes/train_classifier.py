@@ -24,8 +24,13 @@ from torch.utils.data import DataLoader, random_split
 from torchmetrics.classification import MulticlassAccuracy
 
 from precisionloop import Trainer, get_policy
-from precisionloop.keep_fp32 import entries_from_text
 from precisionloop.recipes.data import TORCHVISION_DATASETS, image_dataset
+
+
+def _keep_fp32(text: str) -> tuple:
+    """--keep-fp32 "LayerNorm, head": a torch.nn class by its name, else a module-name pattern."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return tuple(getattr(torch.nn, n) if isinstance(getattr(torch.nn, n, None), type) else n for n in names)
 
 
 def small_cnn(classes: int = 10) -> nn.Module:
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     precision = args.precision
     if args.keep_fp32:
-        precision = dataclasses.replace(get_policy(args.precision, args.device), keep_fp32=entries_from_text(args.keep_fp32))
+        precision = dataclasses.replace(get_policy(args.precision, args.device), keep_fp32=_keep_fp32(args.keep_fp32))
     trainer = Trainer(model, optimizer, precision=precision, device=args.device)
     say = print if trainer.is_main else (lambda *a: None)  # under torchrun, rank 0 speaks for all
     say(f"data: {source}")

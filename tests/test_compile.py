@@ -76,7 +76,7 @@ def test_the_compiled_backward_runs_without_autocast_as_the_eager_one():
 
 def test_bad_compile_mode_is_rejected_at_construction():
     model = tiny_mlp()
-    with pytest.raises(ValueError, match="reduce-overhead"):
+    with pytest.raises(RuntimeError, match="reduce-overhead"):  # torch's own error, naming the modes
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu", compile="fastest")
 
 

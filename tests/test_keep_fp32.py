@@ -19,8 +19,7 @@ from torch import nn
 from conftest import B, ProbeNorm, stochastic_adamw
 
 from precisionloop import BF16Policy, FP16Policy, Trainer, get_policy
-from precisionloop.keep_fp32 import (entries_from_text, entry_names, is_kept, keep_fp32_, select_modules,
-                                     validate_keep_fp32, within)
+from precisionloop.keep_fp32 import entry_names, is_kept, keep_fp32_, select_modules, validate_keep_fp32, within
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -192,8 +191,7 @@ def test_policies_stay_values_normalised_hashable_and_shown():
     assert get_policy("bf16").keep_fp32 == () == get_policy("fp16").keep_fp32
 
 
-def test_text_entries_and_entry_names():
-    assert entries_from_text("head, LayerNorm,") == (nn.LayerNorm, "head")
+def test_entry_names():
     assert entry_names((nn.LayerNorm, "head")) == ["torch.nn.modules.normalization.LayerNorm", "head"]
 
 
