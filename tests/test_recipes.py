@@ -3,6 +3,7 @@
 import contextlib
 import importlib.util
 import json
+import types
 import sys
 import weakref
 from pathlib import Path
@@ -40,16 +41,22 @@ def _cuda_of(monkeypatch, capability):
 
 # The recipe --------------------------------------------------------------------------------------------------
 
+def test_the_cpu_default_times_what_this_cpu_runs_natively(monkeypatch):
+    monkeypatch.setattr(resnet18_bench, "get_policy", lambda spec, device=None: types.SimpleNamespace(name="fp32"))
+    assert resnet18_bench.parse_args(["--device", "cpu"]).precisions == ["fp32"]  # no TF32, fp16, emulated bf16
+
+
 def test_the_recipe_times_trainer_step_beside_the_hand_loop_on_the_cpu(tmp_path, capsys, monkeypatch):
     steps = []
     original = Trainer.step
     monkeypatch.setattr(Trainer, "step", lambda self, batch: steps.append(1) or original(self, batch))
     out = tmp_path / "bench.json"
-    resnet18_bench.main([*TINY, "--json", str(out), "--plot", str(tmp_path / "bench.png")])
+    resnet18_bench.main([*TINY, "--precisions", "fp32,bf16", "--json", str(out), "--plot", str(tmp_path / "bench.png")])
     text = capsys.readouterr().out
-    assert "precisionloop benchmark: resnet18" in text and "timing bf16: alone" in text and "wrapper cost" in text
+    assert "precisionloop benchmark: resnet18" in text and "timing bf16: alone" in text
+    assert "wrapper cost: not printed on the CPU" in text  # a CPU step varies by more than the wrapper adds
     table = text.split("precisionloop Trainer.step", 1)[1].splitlines()
-    assert [c.strip() for c in table[1].split("|")] == ["batch", "fp32", "bf16"]  # no TF32 on the CPU, no fp16
+    assert [c.strip() for c in table[1].split("|")] == ["batch", "fp32", "bf16"]
     assert any(line.strip().startswith("vs fp32 |") for line in table)
     data = json.loads(out.read_text())
     assert {(r["system"], r["precision"]) for r in data["results"]} == {

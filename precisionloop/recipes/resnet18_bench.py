@@ -309,7 +309,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precisions", default=None,
                    help=f"comma-separated among {','.join(PRECISIONS)},fp8 (default: those the device runs, fp16 "
                         "left out on the CPU, where its autocast is ~20x slower); fp8 is always timed compiled")
-    p.add_argument("--iters", type=int, default=None, help="timed steps per round (default 50 on CUDA, 6 on the CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per round (default 50 on CUDA, 15 on the CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per round (default 15 on CUDA, 2 on the CPU)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, a fresh model and optimizer each (default 3)")
     p.add_argument("--method", choices=("auto", *METHODS), default="auto",
@@ -346,7 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda, transformer = device.type == "cuda", args.model == TRANSFORMER
     tf32 = cuda and torch.cuda.get_device_capability(device) >= (8, 0)
     args.baseline = "tf32" if tf32 else "fp32"
-    given = args.precisions or ",".join(n for n in PRECISIONS if (n != "tf32" or tf32) and (n != "fp16" or cuda))
+    native_bf16 = cuda or get_policy("auto", device).name == "bf16"  # emulated bf16 is ~10x slower than fp32
+    given = args.precisions or ",".join(n for n in PRECISIONS if (n != "tf32" or tf32) and (n != "fp16" or cuda)
+                                        and (n != "bf16" or native_bf16))
     args.precisions = list(dict.fromkeys(s.strip() for s in given.split(",") if s.strip()))
     for name in args.precisions:
         try:
@@ -360,7 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch_sizes = [int(s) for s in (args.batch_sizes or default_bs).split(",") if s.strip()]
     except ValueError:
         p.error(f"--batch-sizes takes comma-separated integers, got {args.batch_sizes!r}")
-    args.iters = args.iters if args.iters is not None else (50 if cuda else 6)
+    args.iters = args.iters if args.iters is not None else (50 if cuda else 15)
     args.warmup = args.warmup if args.warmup is not None else (15 if cuda else 2)
     if min(args.batch_sizes, default=0) < 1 or args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         p.error("--batch-sizes, --iters and --rounds must be >= 1 and --warmup >= 0")
@@ -431,7 +433,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if "hand" in systems:
         say("\nhand-written torch.amp loop, same settings:")
         say(format_table(results, "hand", args.precisions, args.batch_sizes, args.baseline))
-        say("\n" + format_wrapper_cost(results))
+        say("\n" + (format_wrapper_cost(results) if device.type == "cuda" else "wrapper cost: not printed on the CPU, "
+                     "where a step's time varies between rounds by more than the wrapper adds (see the GPU figures)"))
     if args.max_batch:
         say(_max_batch_report(args, device))
     for r in results:
