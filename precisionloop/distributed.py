@@ -85,10 +85,10 @@ def wrap(model: nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.
         raise ValueError(f"distributed='fsdp' cannot run a fused {type(optimizer).__name__} (torch has no DTensor rule "
                          "for its kernel); build it with fused=False")
     names = {id(p): n for n, p in model.named_parameters()}
-    held = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    by_group = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     _shard(model, compute_dtype, device)
     sharded = dict(model.named_parameters())
-    for group, group_names in zip(optimizer.param_groups, held):
+    for group, group_names in zip(optimizer.param_groups, by_group):
         group["params"] = [sharded[n] for n in group_names]
     return model
 

@@ -248,12 +248,12 @@ class _Epoch:
         if result is None:
             return False
         trainer, options = self.trainer, self.options
-        if result._due:
+        if result._optimizer_step:
             self.first = None
         for cb in options["callbacks"]:
             if hasattr(cb, "on_step_end"):
                 cb.on_step_end(trainer, result)
-        if not result._due:
+        if not result._optimizer_step:
             return False
         if options["loggers"] and trainer.global_step % options["log_every"] == 0 and _dist.is_main():
             now = time.perf_counter()

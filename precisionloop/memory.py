@@ -20,7 +20,7 @@ class MemoryBreakdown:
     Attributes:
         parameters_mb: every parameter of the model, trainable or not.
         buffers_mb: the model's buffers (BatchNorm's running statistics, for one).
-        gradients_mb: the ``.grad`` tensors now: none after an optimizer step, all of them in an open window.
+        gradients_mb: the ``.grad`` tensors now: none after an optimizer step, all of them in an open accumulation.
         optimizer_state_mb: every tensor in ``optimizer.state`` (Adam's moments and step, SGD's momentum).
         peak_mb: CUDA only: ``torch.cuda.max_memory_allocated`` on the Trainer's device.
         activations_and_workspace_mb: CUDA only: the peak less the exact parts on that device (activations, workspace).

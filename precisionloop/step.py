@@ -24,19 +24,20 @@ class StepResult:
     Attributes:
         loss: the micro-batch's loss, unscaled and not divided by ``grad_accum_steps``.
         stepped: the optimizer updated the parameters.
-        skipped: an optimizer step was due but skipped for non-finite gradients.
+        skipped: this micro-batch ended an accumulation, but its optimizer step was skipped for non-finite gradients.
         scale: the loss scale after this step, or ``None`` without a scaler.
         grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
     """
 
-    __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "_due")
+    __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "_optimizer_step")
 
-    def __init__(self, loss, due: bool, found_inf=None, scale=None, grad_norm=None):
-        self._loss, self._found_inf, self._scale, self._grad_norm, self._due = loss, found_inf, scale, grad_norm, due
+    def __init__(self, loss, optimizer_step: bool, found_inf=None, scale=None, grad_norm=None):
+        self._loss, self._found_inf, self._scale, self._grad_norm = loss, found_inf, scale, grad_norm
+        self._optimizer_step = optimizer_step  # this micro-batch ended an accumulation
 
     loss = property(lambda self: float(self._loss))
-    skipped = property(lambda self: self._due and bool(self._found_inf))
-    stepped = property(lambda self: self._due and not self.skipped)
+    skipped = property(lambda self: self._optimizer_step and bool(self._found_inf))
+    stepped = property(lambda self: self._optimizer_step and not self.skipped)
     scale = property(lambda self: _host(self._scale))
     grad_norm = property(lambda self: _host(self._grad_norm))
 
@@ -54,7 +55,7 @@ class TrainStats:
     """Optimizer-step and loss-scale counters over the run (``trainer.stats``)."""
 
     steps: int = 0
-    """optimizer steps that were due, taken or skipped"""
+    """optimizer steps taken or skipped"""
     skipped: int = 0
     steps_since_overflow: int = 0
     scale: float | None = None

@@ -293,8 +293,8 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, i
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ValueError(f"grad_accum_steps must be an int >= 1, got {accum!r}")
     trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    missing, foreign = [n for i, n in trainable.items() if i not in held], held - {id(p) for p in model.parameters()}
+    given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing, foreign = [n for i, n in trainable.items() if i not in given], given - {id(p) for p in model.parameters()}
     if missing or foreign:
         raise ValueError("the optimizer must hold exactly the model's trainable parameters; "
                          + (f"it lacks {', '.join(missing[:5])}" if missing else f"it holds {len(foreign)} other tensors"))

@@ -44,7 +44,7 @@ class Candidate:
 
 @dataclasses.dataclass
 class CandidateResult:
-    """One candidate's measurement and verdict."""
+    """One candidate's measurement and outcome."""
 
     candidate: Candidate
     timing: measure.Measurement
@@ -65,12 +65,12 @@ class AutotuneResult:
     def __str__(self) -> str:
         width = max(len(r.candidate.label) for r in self.results)
         lines = [f"{'candidate':<{width}}  {'median ms [min-max] over rounds':>32}  {'peak mem':>8}  {'skipped':>7}  "
-                 f"{'loss drift':>10}  verdict"]
+                 f"{'loss drift':>10}  outcome"]
         for r in sorted(self.results, key=lambda r: (r.rejected is not None, r.timing.median_ms or math.inf)):
             drift = "-" if r.drift is None else f"{r.drift:.2e}"
-            verdict = "CHOSEN" if r.candidate == self.best else f"rejected: {r.rejected}" if r.rejected else "ok"
+            outcome = "CHOSEN" if r.candidate == self.best else f"rejected: {r.rejected}" if r.rejected else "ok"
             lines.append(f"{r.candidate.label:<{width}}  {measure.format_time(r.timing):>32}  "
-                         f"{measure.format_memory(r.timing):>8}  {r.skipped:>7}  {drift:>10}  {verdict}")
+                         f"{measure.format_memory(r.timing):>8}  {r.skipped:>7}  {drift:>10}  {outcome}")
         lines.append(f"(loss drift: the largest gap to the strict-fp32 loss over the same steps, over the first loss; "
                      f"limit {self.tolerance:g})")
         legend = measure.noisy_legend(r.timing for r in self.results)
@@ -157,7 +157,7 @@ def _trial(trainer_cls: type, candidate: Candidate, model: nn.Module, make_optim
 
 def _judge(candidate: Candidate, seen: dict, timing: measure.Measurement, reference: list[float] | None,
            tolerance: float) -> CandidateResult:
-    """A candidate's verdict against the strict-fp32 losses."""
+    """A candidate's outcome against the strict-fp32 losses."""
     result = CandidateResult(candidate, timing, skipped=seen["skipped"])
     if timing.error is not None:
         result.rejected = timing.error.splitlines()[0][:100]

@@ -30,8 +30,8 @@ def test_rejects_drifting_and_skipping_candidates():
     # bf16's loss differs from fp32's by ~1e-3 of the first loss: a tiny tolerance rejects it.
     result = autotune(tiny_mlp(), lambda p: torch.optim.SGD(p, lr=0.05), batches(1, batch_size=32)[0],
                       candidates=candidates, tolerance=1e-7, **QUICK)
-    verdicts = {r.candidate.precision: r.rejected for r in result.results}
-    assert verdicts["fp32"] is None and "loss drift" in verdicts["bf16"] and result.best.precision == "fp32"
+    rejected = {r.candidate.precision: r.rejected for r in result.results}
+    assert rejected["fp32"] is None and "loss drift" in rejected["bf16"] and result.best.precision == "fp32"
 
     class Exploding(torch.nn.Module):
         def __init__(self):
@@ -56,8 +56,8 @@ def test_when_only_the_loss_drift_rejects_every_candidate_the_error_says_how_to_
 def test_a_failing_candidate_is_rejected_with_its_error_and_the_others_still_run():
     result = autotune(tiny_mlp(), lambda p: torch.optim.SGD(p, lr=0.1), batches(1)[0], loss_fn=fp32_only_loss,
                       candidates=[Candidate("fp32"), Candidate("bf16")], **QUICK)
-    verdicts = {r.candidate.precision: r.rejected for r in result.results}
-    assert "fp32 only" in verdicts["bf16"] and result.best.precision == "fp32"
+    rejected = {r.candidate.precision: r.rejected for r in result.results}
+    assert "fp32 only" in rejected["bf16"] and result.best.precision == "fp32"
 
 
 def test_default_candidates_cover_layouts_for_conv_models_only():
