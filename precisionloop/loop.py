@@ -24,17 +24,16 @@ _END = object()
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoints:
-    """Periodic checkpoints for ``fit``: ``directory/step-NNNNNNNN.pt`` every ``every`` optimizer steps.
-
-    Args:
-        directory: where the files go (made at the first save).
-        every: optimizer steps between two checkpoints.
-        keep_last: keep only the newest this many files; ``None`` keeps all.
-    """
+    """Periodic checkpoints for ``fit``: ``directory/step-NNNNNNNN.pt`` (made at the first save) every ``every``
+    optimizer steps, the newest ``keep_last`` kept (``None``: all)."""
 
     directory: str | os.PathLike
     every: int
     keep_last: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or (self.keep_last is not None and self.keep_last < 1):
+            raise ValueError(f"Checkpoints needs every >= 1 and keep_last >= 1 or None, got {self.every}, {self.keep_last}")
 
     def save(self, trainer) -> None:
         path = trainer.save(Path(self.directory) / f"step-{trainer.global_step:08d}.pt")
@@ -233,23 +232,22 @@ class _Epoch:
                 return self.total is not None and trainer.batch_in_epoch >= self.total
 
     def _attempt(self, call, *args):
-        """``call(*args)``; if it raises after its optimizer step (the skip limit), its batches were used."""
+        """``call(*args)``; once its optimizer step ran there is nothing to rewind, even if it raised after (the skip
+        limit), when its batch counts as used."""
         steps = self.engine.global_step
         try:
             return call(*args)
         except BaseException:
-            if self.engine.global_step != steps:
-                self.trainer.batch_in_epoch += bool(args)
-                self.first = None
+            self.trainer.batch_in_epoch += bool(args) and self.engine.global_step != steps
             raise
+        finally:
+            self.first = None if self.engine.global_step != steps else self.first
 
     def _after(self, result) -> bool:
         """Callbacks, loggers and periodic checkpoints after a micro-batch; True once ``max_steps`` is reached."""
         if result is None:
             return False
         trainer, options = self.trainer, self.options
-        if result._optimizer_step:
-            self.first = None
         for cb in options["callbacks"]:
             if hasattr(cb, "on_step_end"):
                 cb.on_step_end(trainer, result)

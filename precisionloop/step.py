@@ -287,7 +287,7 @@ class StepEngine:
             self.guard.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
         self.unsynced = bool(self.distributed) and not syncs
         self.micro += 1
-        loss = loss.detach()
+        loss = loss.detach().reshape(())  # a (1,) loss too: the outcome stacks scalars
         if self.micro < self.grad_accum_steps:
             # A CUDA-graph output would be overwritten by the next replay.
             scale = self.guard.scale_tensor()
@@ -366,7 +366,7 @@ class StepEngine:
             warnings.warn(f"the loss scale fell to {scale:g} at optimizer step {self.stats.steps}: gradients are "
                           "non-finite even unscaled, so fp16 is unlikely to train this model", RuntimeWarning,
                           stacklevel=_compat.stacklevel_outside_package())
-        if skipped and self.consecutive_skips >= self.max_consecutive_skips:
+        if skipped and self.consecutive_skips == self.max_consecutive_skips:  # once a run: a save can follow
             raise RuntimeError(
                 f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients (at "
                 f"optimizer step {self.stats.steps}, loss scale {scale}); the loss or the model diverged. Lower the "

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, random_split
 from torchmetrics.classification import MulticlassAccuracy
 
-from precisionloop import Trainer, get_policy
+from precisionloop import Checkpoints, Trainer, get_policy
 from precisionloop.recipes.data import TORCHVISION_DATASETS, image_dataset
 
 
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--device", default=None)
-    p.add_argument("--checkpoint-dir", default=None, help="where the last state is saved, as last.pt")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where a checkpoint is saved every 100 steps (the newest 3 kept) and the last state as last.pt")
     p.add_argument("--resume", default=None, help="a checkpoint to continue from")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         train_loader, epochs=args.epochs, val_loader=val_loader,
         metrics={"accuracy": MulticlassAccuracy(num_classes=10)},
         max_steps=args.max_steps, progress=not args.no_progress,
+        checkpoints=Checkpoints(args.checkpoint_dir, every=100, keep_last=3) if args.checkpoint_dir else None,
     )
     for record in history:
         metrics = f", val loss {record['val_loss']:.4f}, accuracy {record['accuracy']:.3f}" if "accuracy" in record else ""

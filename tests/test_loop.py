@@ -615,3 +615,20 @@ def test_a_loader_with_its_own_generator_resumes_its_shuffle(tmp_path, how):
         return fresh_model
 
     assert same_models(run(), run(stop_at=11))
+
+
+def test_a_loss_of_shape_one_trains_and_fit_counts_its_batches():
+    model = nn.Linear(8, 2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu",
+                      loss_fn=lambda out, y: F.cross_entropy(out, y).reshape(1))
+    data = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(3)]
+    history = trainer.fit(data, epochs=2, progress=False)
+    assert trainer.global_step == 6 and trainer.epoch == 2 and math.isfinite(history[-1]["train_loss"])
+
+
+def test_checkpoints_refuse_a_period_or_a_count_below_one(tmp_path):
+    from precisionloop import Checkpoints
+
+    for bad in (dict(every=0), dict(every=10, keep_last=0)):
+        with pytest.raises(ValueError, match="every >= 1 and keep_last >= 1"):
+            Checkpoints(tmp_path, **bad)

@@ -82,6 +82,8 @@ def test_consecutive_skips_raise(precision):
         trainer.step(data[2])
     assert "optimizer step 3" in str(info.value)
     assert ("loss scale 8192" in str(info.value)) is (precision == "fp16")
+    trainer.step(data[0])  # fires once a run of skips: the diverged state can still be saved and read
+    assert trainer.stats.skipped == 4 and trainer.state_dict()["counters"]["consecutive_skips"] == 4
 
 
 def test_collapse_warning_given_once():
