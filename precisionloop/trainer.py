@@ -66,7 +66,7 @@ class Trainer:
                  max_consecutive_skips: int = 20, compile: bool | str = False, distributed: str | None = "auto"):
         plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         _check_arguments(model, optimizer, loss_fn, scheduler, "epoch" if plateau else scheduler_interval,
-                         grad_accum_steps)
+                         grad_accum_steps, max_grad_norm)
         self.distributed, device = _dist.resolve(distributed, device)
         self.device = resolve_device(device)
         self.policy = policy = get_policy(precision, self.device)
@@ -282,7 +282,8 @@ class Trainer:
         self.load_state_dict(checkpoint.read(path), source=f"checkpoint {path}")
 
 
-def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, interval: Any, accum: Any) -> None:
+def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, interval: Any, accum: Any,
+                     max_norm: Any) -> None:
     """The traps users fall into, refused before anything changes."""
     if isinstance(loss_fn, type):
         raise ValueError(f"loss_fn is the class {loss_fn.__name__}; pass an instance, such as {loss_fn.__name__}()")
@@ -292,6 +293,8 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, i
                          f"{type(scheduler).__name__ if scheduler is not None else None}, scheduler_interval={interval!r}")
     if isinstance(accum, bool) or not isinstance(accum, int) or accum < 1:
         raise ValueError(f"grad_accum_steps must be an int >= 1, got {accum!r}")
+    if max_norm is not None and not max_norm > 0:  # a script's grad_clip=0.0 means "no clipping": here it is None
+        raise ValueError(f"max_grad_norm must be > 0, or None for no clipping; {max_norm!r} would zero every gradient")
     trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     given = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing, foreign = [n for i, n in trainable.items() if i not in given], given - {id(p) for p in model.parameters()}

@@ -222,3 +222,10 @@ def test_pure_bf16_refuses_fp16_weights():
         Trainer(model, opt, "bf16-pure", device="cpu")
 
 
+
+
+@pytest.mark.parametrize("norm", [0.0, -1.0])
+def test_a_clipping_norm_that_would_zero_every_gradient_is_refused(norm):
+    model = tiny_mlp()  # a script's grad_clip=0.0 means no clipping; passed through it would stop training
+    with pytest.raises(ValueError, match="None for no clipping"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", max_grad_norm=norm)
