@@ -354,3 +354,13 @@ def test_max_batch_recovery_on_cuda_returns_the_allocator_to_its_baseline():
     assert fits(128) is None and torch.cuda.memory_allocated(device) == baseline
     got = max_batch.search(fits, start=16, cap=1024, resolution=8)
     assert got.largest == 64 and got.smallest_failed == 72
+
+
+def test_a_run_that_times_fp8_on_cuda_compiles_every_precision():
+    from precisionloop import BF16Policy
+
+    args = types.SimpleNamespace(compile=None, precisions=["bf16", "fp8"])
+    assert resnet18_bench.compile_for(BF16Policy(), args, torch.device("cuda", 0))  # like with like: both compiled
+    assert not resnet18_bench.compile_for(BF16Policy(), types.SimpleNamespace(compile=None, precisions=["bf16"]),
+                                          torch.device("cuda", 0))
+    assert not resnet18_bench.compile_for(BF16Policy(), args, torch.device("cpu"))

@@ -141,8 +141,10 @@ def policy_for(name: str, args: argparse.Namespace) -> PrecisionPolicy:
 
 
 def compile_for(policy: PrecisionPolicy, args, device: torch.device) -> bool | str:
-    """--compile, except that fp8 is always compiled on CUDA: eager, torchao's casts make it slower than bf16."""
-    return args.compile or (device.type == "cuda" and isinstance(policy, FP8Policy))
+    """--compile; and on CUDA, where fp8 is always compiled (eager, torchao's casts make it slower than bf16), every
+    precision of a run that times fp8, so that one table compares compiled with compiled."""
+    fp8 = isinstance(policy, FP8Policy) or any(get_policy(p).name == "fp8" for p in getattr(args, "precisions", ()))
+    return args.compile or (device.type == "cuda" and fp8)
 
 
 def graphed(policy: PrecisionPolicy, args, device: torch.device) -> bool:
