@@ -35,9 +35,6 @@ FUSED_CHECK_MAX_ELEMENTS = 2**25
 large GPU-bound step pays for (ResNet18's 11.7M values gain from one launch, a Transformer's 237M lose)."""
 
 
-_ONE: dict[torch.device, torch.Tensor] = {}  # the fused check's scale, made once per device
-
-
 def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     """Set ``found_inf`` (fp32, one element) to 1 if any gradient, all on one device and of one dtype, is not finite.
 
@@ -50,9 +47,8 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
     device = grads[0].device.type
     if grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ()) and (
             device == "cpu" or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS):
-        if found_inf.device not in _ONE:
-            _ONE[found_inf.device] = torch.ones((), dtype=torch.float32, device=found_inf.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, _ONE[found_inf.device])
+        one = torch.ones((), dtype=torch.float32, device=found_inf.device)  # a scale of one: the values stay
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
     else:
         found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
         torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
