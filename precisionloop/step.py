@@ -106,8 +106,6 @@ class _FusedSGDFirstStep:
         self._waiting: list[torch.Tensor] = []
 
     def needs_host(self, optimizer: torch.optim.Optimizer) -> bool:
-        if not any(g.get("fused") and g.get("momentum") for g in optimizer.param_groups):
-            return False
         key = (tuple((id(g["params"]), len(g["params"]), g.get("fused"), g.get("momentum")) for g in optimizer.param_groups),
                id(optimizer.state), len(optimizer.state))
         if key == self._key and not any(p.grad is not None for p in self._waiting):
@@ -153,7 +151,7 @@ class _Guard:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
             return _compat.scaler_found_inf(self.scaler, optimizer)
-        grads = [g if type(g) is torch.Tensor and not g.is_sparse else _compat.dense_values(g) for g in grads]
+        grads = [_compat.dense_values(g) for g in grads]
         found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")  # fp32: fused kernels
         for group in _compat.group_by_device_and_dtype(grads) if grads else ():
             here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
