@@ -177,7 +177,7 @@ class _Epoch:
         except TypeError:  # a generator, an IterableDataset's loader
             self.total = None
         self.first = trainer.batch_in_epoch if self.engine.micro else None  # one opened by hand before fit too
-        self.rng: dict | None = None
+        self.rng, self.losses = None, []  # losses: summed into the two below 64 at a time, a few kernels, not per batch
         self.loss_sum = torch.zeros((), device=trainer.device)
         self.finite = torch.zeros((), dtype=torch.int64, device=trainer.device)
         self.count = self.samples = self.logged_samples = 0
@@ -222,8 +222,8 @@ class _Epoch:
             engine.sync_next = self.total is not None and trainer.batch_in_epoch + 1 == self.total
             result = self._attempt(trainer.step, batch)
             trainer.batch_in_epoch += 1
-            self.loss_sum += torch.where(torch.isfinite(result._loss), result._loss, 0.0)  # on the device
-            self.finite += torch.isfinite(result._loss)
+            self.losses.append(result._loss)
+            self._fold(len(self.losses) == 64)
             self.count, self.samples = self.count + 1, self.samples + batch_size(batch)
             bar.update(1)
             if self.count % self.options["log_every"] == 0 and self.options["progress"]:
@@ -261,7 +261,14 @@ class _Epoch:
             options["checkpoints"].save(trainer)
         return options["max_steps"] is not None and trainer.global_step >= options["max_steps"]
 
+    def _fold(self, now: bool = True) -> None:
+        if now and self.losses:
+            losses, self.losses = torch.stack(self.losses), []
+            self.loss_sum += torch.where(torch.isfinite(losses), losses, 0.0).sum()
+            self.finite += torch.isfinite(losses).sum()
+
     def _record(self, complete: bool) -> dict:
+        self._fold()
         trainer, elapsed = self.trainer, time.perf_counter() - self.start
         loss_sum, finite, samples = self.loss_sum, self.finite, self.samples
         if trainer.distributed:
