@@ -1,58 +1,112 @@
-"""What a reduced-precision cast does to a model's gradients: underflow, subnormals, and overflow under a loss scale."""
+"""What a lower-precision format does to a model's numbers: gradients, activations and weights that underflow or
+overflow in fp16, bf16 or fp8, the error of the round trip, and the updates a low-precision weight would lose."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import numbers
-from typing import Iterable
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from . import _compat
 
-__all__ = ["gradient_underflow", "underflow_summary", "UnderflowReport", "ParameterUnderflow"]
+__all__ = ["gradient_underflow", "underflow_summary", "precision_report", "lost_updates", "UnderflowReport",
+           "ParameterUnderflow", "PrecisionReport", "LostUpdates", "FORMATS"]
+
+FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+"""The formats :func:`precision_report` tests by default."""
+_AMAX_FLOOR = 1e-12  # torchao's: an all-zero tensor still gets a finite scale
+_STATS = ("underflow", "overflow", "error")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _scaled(x: torch.Tensor, dtype: torch.dtype, scale: float | str) -> torch.Tensor:
+    """``x`` (fp32) times ``scale``; ``"tensorwise"``/``"rowwise"`` is torchao's amax scaling: the largest magnitude
+    (of the tensor, or of each row along the last dimension, rowwise scales rounded down to a power of two as
+    torchao's rowwise recipe does) maps to the format's largest finite value, and the result saturates there."""
+    if not isinstance(scale, str):
+        return x * scale
+    limit = torch.finfo(dtype).max
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
+    amax = rows.abs().amax(dim=-1, keepdim=True) if scale == "rowwise" else rows.abs().amax()
+    factor = (limit / amax.double().clamp(min=_AMAX_FLOOR)).float()  # float64 first, as torchao does
+    if scale == "rowwise":
+        factor = torch.exp2(torch.floor(torch.log2(factor)))
+    return (rows * factor).clamp(-limit, limit).reshape(x.shape)
+
+
+def _cast_counts(x: torch.Tensor, scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Of the finite nonzero values of ``x``: [count, become 0, land in subnormals, overflow, summed relative error
+    of the round trip over those that survive], float64 on ``x``'s device, from the real cast of ``scaled``."""
+    finfo, nonzero = torch.finfo(dtype), (x != 0) & x.isfinite()
+    cast = scaled.to(dtype).float()  # compared in fp32: fp8 has no comparison kernels everywhere
+    has_inf = bool(torch.tensor(math.inf).to(dtype).float().isinf())
+    zero = nonzero & (cast == 0)
+    over = nonzero & (~cast.isfinite() if has_inf else ~cast.isfinite() | (scaled.abs() > finfo.max))
+    survive = nonzero & ~zero & ~over
+    error = ((cast - scaled).abs() / scaled.abs()).where(survive, 0.0).double().sum()
+    subnormal = nonzero & (cast != 0) & (cast.abs() < finfo.smallest_normal)
+    return torch.stack([nonzero.sum().double(), zero.sum().double(), subnormal.sum().double(), over.sum().double(), error])
+
+
+def _fractions(counts: Sequence[float]) -> tuple[float, float, float]:
+    """(underflow, overflow, mean relative error) from ``_cast_counts``'s [count, zero, subnormal, over, error]."""
+    survive = counts[0] - counts[1] - counts[3]
+    return (counts[1] / counts[0], counts[3] / counts[0], counts[4] / survive if survive else 0.0) if counts[0] \
+        else (0.0, 0.0, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ParameterUnderflow:
-    """One parameter's share of the report."""
+    """One parameter's share of the report: fractions of its nonzero gradient values, unscaled and scaled."""
 
     nonzero: int
     underflow: float
+    overflow: float = 0.0
+    error: float = 0.0
+    underflow_scaled: float = 0.0
+    overflow_scaled: float = 0.0
+    error_scaled: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class UnderflowReport:
-    """Fractions are of the nonzero gradient values; see :func:`gradient_underflow`."""
+    """Fractions are of the finite nonzero gradient values; ``error`` is the mean relative error of the round trip
+    over the values that neither become 0 nor overflow. See :func:`gradient_underflow`."""
 
     dtype: torch.dtype
-    scale: float
+    scale: float | str
     nonzero: int
     median_abs: float
     underflow: float
     subnormal: float
+    overflow: float
+    error: float
     underflow_scaled: float
     overflow_scaled: float
+    error_scaled: float
     by_parameter: dict[str, ParameterUnderflow]
 
     def to_dict(self) -> dict:
         """A JSON-ready copy."""
-        return {**dataclasses.asdict(self), "dtype": str(self.dtype).replace("torch.", "")}
+        return {**dataclasses.asdict(self), "dtype": _name(self.dtype)}
 
     def __str__(self) -> str:
-        name, finfo = str(self.dtype).replace("torch.", ""), torch.finfo(self.dtype)
-        lines = [
-            f"gradient underflow in {name} (smallest subnormal {finfo.smallest_normal * finfo.eps:.3g}, "
-            f"largest finite {finfo.max:.6g}), loss scale {self.scale:g}",
-            f"  nonzero gradient values   {self.nonzero:>12,}",
-            f"  median |gradient|         {self.median_abs:>12.3g}",
-            f"  become 0 in {name:<9}     {self.underflow:>12.4%}",
-            f"  land in subnormals        {self.subnormal:>12.4%}",
-            f"  become 0 after x{self.scale:<8g} {self.underflow_scaled:>12.4%}",
-            f"  overflow after x{self.scale:<8g} {self.overflow_scaled:>12.4%}",
-        ]
+        name, finfo = _name(self.dtype), torch.finfo(self.dtype)
+        scaled = f"x {self.scale}" if isinstance(self.scale, str) else f"x {self.scale:g}"
+        lines = [f"gradients in {name} (smallest subnormal {finfo.smallest_normal * finfo.eps:.3g}, largest finite "
+                 f"{finfo.max:.6g}): {self.nonzero:,} nonzero values, median |gradient| {self.median_abs:.3g}",
+                 f"  {'':<22}{'unscaled':>12}{scaled:>14}",
+                 f"  {'become 0':<22}{self.underflow:>12.4%}{self.underflow_scaled:>14.4%}",
+                 f"  {'overflow':<22}{self.overflow:>12.4%}{self.overflow_scaled:>14.4%}",
+                 f"  {'mean relative error':<22}{self.error:>12.3g}{self.error_scaled:>14.3g}",
+                 f"  {'land in subnormals':<22}{self.subnormal:>12.4%}"]
         worst = sorted([(n, p) for n, p in self.by_parameter.items() if p.underflow > 0], key=lambda x: -x[1].underflow)
         if not worst:
             return "\n".join([*lines, "  no parameter loses any value to underflow unscaled"])
@@ -61,57 +115,63 @@ class UnderflowReport:
         return "\n".join(lines + [f"    {n:<{width}}  {p.underflow:>9.4%} of {p.nonzero:,}" for n, p in worst[:10]])
 
 
+def _check_format(dtype: Any, scale: Any) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype == torch.float64:
+        raise ValueError(f"dtype must be a floating-point torch.dtype narrower than float64, such as torch.float16, "
+                         f"torch.bfloat16 or torch.float8_e4m3fn; got {dtype!r}")
+    if scale in ("tensorwise", "rowwise"):
+        return
+    if isinstance(scale, (bool, str, bytes)) or not (isinstance(scale, (numbers.Real, torch.Tensor))
+                                                     and math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale must be a finite number > 0, 'tensorwise' or 'rowwise', got {scale!r}")
+
+
 def gradient_underflow(
     model: nn.Module | Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype = torch.float16,
-    scale: float | torch.Tensor = 65536.0,
+    scale: float | str | torch.Tensor = 65536.0,
 ) -> UnderflowReport:
-    """Count what casting the current gradients to ``dtype`` does, unscaled and times ``scale``.
+    """Count what casting the current gradients to ``dtype`` does, unscaled and scaled.
 
-    A nonzero value underflows when ``grad.to(dtype)`` is exactly 0: the real cast on the gradients' device, not a
-    threshold. The counts reach the host in one transfer.
+    A nonzero value underflows when its cast is exactly 0, and overflows when its cast is inf (past the largest finite
+    value, for a format without inf such as e4m3): the real cast on the gradients' device, not a threshold. The
+    counts reach the host in one transfer.
 
     Args:
         model: a module with ``.grad`` filled, or ``(name, gradient)`` pairs.
-        dtype: the precision to test, usually ``torch.float16`` or ``torch.bfloat16``.
-        scale: the loss scale to test (a power of two keeps the fp32 product exact).
+        dtype: the format to test: ``torch.float16``, ``torch.bfloat16``, ``torch.float8_e4m3fn``, ...
+        scale: a loss scale (a power of two keeps the fp32 product exact), or ``"tensorwise"``/``"rowwise"``: the
+            amax scaling of torchao's float8 recipes (rows along the last dimension; a 1-D tensor is one row).
 
     Raises:
-        ValueError: ``dtype`` is not a floating-point torch dtype of 16 bits or more, ``scale`` is not a
-            finite number > 0, or no nonzero gradient exists.
+        ValueError: ``dtype`` is not a floating-point torch dtype narrower than float64, ``scale`` is none of the
+            above, or no nonzero gradient exists.
 
     Example:
         >>> report = gradient_underflow([("w", torch.tensor([1e-9, 1e-3, 0.0]))])
         >>> report.nonzero, report.underflow, report.underflow_scaled
         (2, 0.5, 0.0)
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-        # fp8 dtypes have no comparison kernels on every device: the cast test would fail half-way
-        raise ValueError(f"dtype must be a floating-point torch.dtype of 16 bits or more, such as torch.float16 or "
-                         f"torch.bfloat16; got {dtype!r}")
-    if isinstance(scale, (bool, str, bytes)) or not (isinstance(scale, (numbers.Real, torch.Tensor))
-                                                     and math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    _check_format(dtype, scale)
+    scale = scale if isinstance(scale, str) else float(scale)
     pairs = ((n, p.grad) for n, p in model.named_parameters()) if isinstance(model, nn.Module) else model
     grads = [(n, g) for n, g in pairs if g is not None]
     if not grads:
         raise ValueError("no gradients to analyse: run backward() first")
-    tiny, device = torch.finfo(dtype).smallest_normal, grads[0][1].device
-    counts, magnitudes = [], []
+    device, rows, magnitudes = grads[0][1].device, [], []
     for _, grad in grads:
-        g = _compat.dense_values(grad).detach().float().reshape(-1)
-        nonzero, cast, scaled = g != 0, g.to(dtype), (g * scale).to(dtype)
-        counts.append(torch.stack([nonzero.sum(), (nonzero & (cast == 0)).sum(), ((cast != 0) & (cast.abs() < tiny)).sum(),
-                                   (nonzero & (scaled == 0)).sum(), (g.isfinite() & scaled.isinf()).sum()]).to(device))
-        magnitudes.append(g[nonzero].abs().to(device))
-    table = torch.stack(counts).tolist()  # the one transfer
+        g = _compat.dense_values(grad).detach().float()
+        rows.append(torch.cat([_cast_counts(g, g, dtype), _cast_counts(g, _scaled(g, dtype, scale), dtype)]).to(device))
+        magnitudes.append(g[(g != 0) & g.isfinite()].abs().reshape(-1).to(device))
+    table = torch.stack(rows).tolist()  # the one transfer
     total = [sum(column) for column in zip(*table)]
     if total[0] == 0:
         raise ValueError("every gradient value is zero: nothing to analyse")
-    by_parameter = {name: ParameterUnderflow(int(row[0]), row[1] / row[0] if row[0] else 0.0)
+    by_parameter = {name: ParameterUnderflow(int(row[0]), *_fractions(row[:5]), *_fractions(row[5:]))
                     for (name, _), row in zip(grads, table)}
-    return UnderflowReport(dtype, float(scale), int(total[0]), float(torch.cat(magnitudes).median()),
-                           *(t / total[0] for t in total[1:]), by_parameter)
+    (under, over, error), (under_s, over_s, error_s) = _fractions(total[:5]), _fractions(total[5:])
+    return UnderflowReport(dtype, scale, int(total[0]), float(torch.cat(magnitudes).median()), under,
+                           total[2] / total[0], over, error, under_s, over_s, error_s, by_parameter)
 
 
 def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dict:
@@ -119,7 +179,7 @@ def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dic
 
     All-zero or absent gradients give ``nonzero`` 0 and fractions None.
     """
-    record = {"dtype": str(dtype).replace("torch.", ""), "scale": float(scale), "nonzero": 0,
+    record = {"dtype": _name(dtype), "scale": float(scale), "nonzero": 0,
               "median_abs": None, "underflow": None, "underflow_scaled": None}
     nonzero = [p.grad.ne(0).any() for p in model.parameters() if p.grad is not None]
     if not nonzero or not bool(torch.stack(nonzero).any()):  # one host sync
@@ -128,3 +188,150 @@ def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dic
     record.update(nonzero=report.nonzero, median_abs=report.median_abs,
                   underflow=report.underflow, underflow_scaled=report.underflow_scaled)
     return record
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """Per layer and tensor (``input``, ``weight``, ``output grad``) and format: ``underflow`` and ``overflow``
+    (fractions of the finite nonzero values) and ``error`` (mean relative error of the survivors' round trip)."""
+
+    formats: tuple[str, ...]
+    rows: list[dict]  # {"layer", "tensor", "nonzero", format: {"underflow", "overflow", "error"}, ...}
+
+    def to_dict(self) -> dict:
+        """A JSON-ready copy."""
+        return {"formats": list(self.formats), "rows": [dict(r) for r in self.rows]}
+
+    def __str__(self) -> str:
+        width = max([5, *(len(r["layer"]) for r in self.rows)])
+        head = "".join(f" | {f + ' (0 / inf / err)':<27}" for f in self.formats)
+        lines = [f"{'layer':<{width}}  {'tensor':<11} {'nonzero':>11}{head}"]
+        for r in self.rows:
+            cells = "".join(f" | {r[f]['underflow']:>8.3%} {r[f]['overflow']:>8.3%} {r[f]['error']:>8.2g}"
+                            for f in self.formats)
+            lines.append(f"{r['layer']:<{width}}  {r['tensor']:<11} {r['nonzero']:>11,}{cells}")
+        return "\n".join(lines + ["16-bit formats as cast, fp8 ones with torchao's tensorwise scaling; 0: become 0, "
+                                  "inf: overflow, err: mean relative error of the values that survive"])
+
+
+def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = FORMATS) -> PrecisionReport:
+    """What each format would do to every ``nn.Linear`` and convolution's inputs, weights and output gradients (what
+    fp8 training casts), from one forward and backward of ``batch`` through ``trainer`` (its ``compute_loss``, under
+    its policy). fp8 formats are scaled tensorwise, as torchao's default recipe does; 16-bit ones are cast as they
+    are. Nothing changes: weights, optimizer state, counters, gradients, buffers (batch-norm statistics), RNG state.
+
+    Raises:
+        ValueError: a compiled or distributed Trainer (hooks need the eager single-process model), or a format that
+            is not a floating-point torch dtype narrower than float64.
+    """
+    if trainer.compile_mode is not None or trainer.distributed:
+        raise ValueError("precision_report hooks every layer, which needs an eager single-process Trainer: build one "
+                         "with compile=False and distributed=None over the same model")
+    for dtype in formats:
+        _check_format(dtype, 1.0)
+    model, counts = trainer.model, {}
+
+    def measure(layer: str, tensor: str, x: torch.Tensor) -> None:
+        x = x.detach().float()
+        found = torch.stack([_cast_counts(x, _scaled(x, f, "tensorwise" if f.itemsize == 1 else 1.0), f) for f in formats])
+        counts[layer, tensor] = counts.get((layer, tensor), 0) + found  # a layer called twice: both calls count
+
+    def hook(layer: str):
+        def forward(module, args, output):
+            if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                measure(layer, "input", args[0])
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: measure(layer, "output grad", grad))
+        return forward
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))]
+    params, buffers, training = list(model.parameters()), list(model.buffers()), model.training
+    grads, saved = [p.grad for p in params], [b.detach().clone() for b in buffers]
+    handles = [m.register_forward_hook(hook(n)) for n, m in layers]
+    devices = [trainer.device] if trainer.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():  # dropout draws as training would
+            model.train()
+            for p in params:
+                p.grad = None
+            with trainer.autocast():
+                loss = trainer.compute_loss(trainer.to_device(batch))
+            with trainer.policy.backend_flags(trainer.device.type):
+                loss.backward()
+        for name, module in layers:
+            measure(name, "weight", module.weight)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        with torch.no_grad():
+            for b, value in zip(buffers, saved):
+                b.copy_(value)
+        model.train(training)
+    return _report([n for n, _ in layers], counts, [_name(f) for f in formats])
+
+
+def _report(layers: list[str], counts: dict, names: list[str]) -> PrecisionReport:
+    """Rows in the model's order, each layer's input, weight, then output gradient; the counts in one transfer."""
+    keys = sorted(counts, key=lambda k: (layers.index(k[0]), ("input", "weight", "output grad").index(k[1])))
+    tables = torch.stack([counts[k] for k in keys]).tolist() if keys else []
+    return PrecisionReport(tuple(names), [
+        {"layer": layer, "tensor": tensor, "nonzero": int(table[0][0]),
+         **{n: dict(zip(_STATS, _fractions(t))) for n, t in zip(names, table)}} for (layer, tensor), table in zip(keys, tables)])
+
+
+@dataclasses.dataclass(frozen=True)
+class LostUpdates:
+    """Of one step's nonzero updates, the fraction a weight stored in ``dtype`` would lose: in total and per parameter
+    (``{name: (nonzero, lost)}``); ``lost`` is None when no weight moved."""
+
+    dtype: torch.dtype
+    nonzero: int
+    lost: float | None
+    by_parameter: dict[str, tuple[int, float | None]]
+
+    def to_dict(self) -> dict:
+        """A JSON-ready copy."""
+        return {**dataclasses.asdict(self), "dtype": _name(self.dtype)}
+
+    def __str__(self) -> str:
+        lost = "no weight moved" if self.lost is None else f"{self.lost:.4%} would be lost"
+        lines = [f"updates in {_name(self.dtype)} weights: {self.nonzero:,} nonzero, {lost}"]
+        worst = sorted(((n, f) for n, (_, f) in self.by_parameter.items() if f), key=lambda x: -x[1])[:10]
+        return "\n".join(lines + [f"    {n}  {f:.4%}" for n, f in worst])
+
+
+def lost_updates(before: Mapping[str, torch.Tensor], model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> LostUpdates:
+    """The share of a step's nonzero updates that weights stored in ``dtype`` would lose: the update added to the
+    old weight in ``dtype`` rounds back to it (round to nearest even, the real cast).
+
+    Args:
+        before: ``{name: parameter.detach().clone()}`` taken before the step, for the parameters to count.
+        model: the model after the step, fp32 weights (a ``"bf16-pure"`` model has lost its updates already).
+        dtype: the storage format to test.
+
+    Example:
+        >>> w = nn.Linear(2, 1, bias=False)
+        >>> _ = nn.init.ones_(w.weight)
+        >>> before = {"weight": w.weight.detach().clone()}
+        >>> with torch.no_grad():
+        ...     w.weight += torch.tensor([[1e-4, 1e-2]])
+        >>> lost_updates(before, w).lost
+        0.5
+    """
+    _check_format(dtype, 1.0)
+    names, rows = [], []
+    for name, p in model.named_parameters():
+        if name in before:
+            old = before[name].detach().to(p.device).float()
+            stored = old.to(dtype).float()
+            update = p.detach().float() - old
+            moved = (update != 0) & update.isfinite()
+            lost = moved & ((stored + update).to(dtype).float() == stored)
+            names.append(name)
+            rows.append(torch.stack([moved.sum(), lost.sum()]).to(rows[0].device if rows else p.device))
+    table = torch.stack(rows).tolist() if rows else []
+    total = [sum(column) for column in zip(*table)] or [0, 0]
+    return LostUpdates(dtype, int(total[0]), total[1] / total[0] if total[0] else None,
+                       {n: (int(m), lost / m if m else None) for n, (m, lost) in zip(names, table)})

@@ -284,7 +284,7 @@ class _Epoch:
             "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
             "data_s": self.data_s, "data_fraction": self.data_s / elapsed if elapsed > 0 else 0.0,
             **{f"stats_{k}": v for k, v in dataclasses.asdict(stats).items()},
-            **({k: measured[-1][k] for k in ("underflow", "underflow_scaled")} if measured else {}),
+            **({k: measured[-1].get(k) for k in ("underflow", "underflow_scaled", "lost_updates")} if measured else {}),
         }
 
 
@@ -304,13 +304,18 @@ def _postfix(engine, data_fraction: float) -> dict:
 
 
 def _underflow_probe(trainer, every: int):
-    """Gradient underflow on the unscaled gradients every ``every`` optimizer steps, into ``underflow_history``."""
-    def probe(step: int) -> None:
-        if step % every == 0:
-            # Against the policy's reduced dtype, or fp16 for an fp32 policy: what would fp16 lose here?
-            dtype = trainer.policy.compute_dtype if trainer.policy.compute_dtype != torch.float32 else torch.float16
-            scale = trainer.scaler.get_scale() if trainer.scaler is not None else 65536.0
-            trainer.underflow_history.append({"step": step, **diagnostics.underflow_summary(trainer.model, dtype, scale)})
+    """Every ``every`` optimizer steps, gradient underflow on the unscaled gradients and then the share of the step's
+    updates bf16 weights would lose, into ``underflow_history``."""
+    def probe(step: int):
+        if step % every:
+            return None
+        # Against the policy's reduced dtype, or fp16 for an fp32 policy: what would fp16 lose here?
+        dtype = trainer.policy.compute_dtype if trainer.policy.compute_dtype != torch.float32 else torch.float16
+        scale = trainer.scaler.get_scale() if trainer.scaler is not None else 65536.0
+        record = {"step": step, **diagnostics.underflow_summary(trainer.model, dtype, scale)}
+        trainer.underflow_history.append(record)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        return lambda: record.update(lost_updates=diagnostics.lost_updates(before, trainer.model).lost)
     return probe
 
 

@@ -27,19 +27,22 @@ class StepResult:
         skipped: this micro-batch ended an accumulation, but its optimizer step was skipped for non-finite gradients.
         scale: the loss scale after this step, or ``None`` without a scaler.
         grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
+        nonfinite: the names of the parameters whose gradients held an inf or NaN. Checked per parameter from the
+            second skipped step in a row on (once the first skip's outcome has reached the host), else ``()``.
     """
 
-    __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "_optimizer_step")
+    __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "_optimizer_step", "_outcome")
 
-    def __init__(self, loss, optimizer_step: bool, found_inf=None, scale=None, grad_norm=None):
+    def __init__(self, loss, optimizer_step: bool, found_inf=None, scale=None, grad_norm=None, outcome=None):
         self._loss, self._found_inf, self._scale, self._grad_norm = loss, found_inf, scale, grad_norm
-        self._optimizer_step = optimizer_step  # this micro-batch ended an accumulation
+        self._optimizer_step, self._outcome = optimizer_step, outcome  # this micro-batch ended an accumulation
 
     loss = property(lambda self: float(self._loss))
     skipped = property(lambda self: self._optimizer_step and bool(self._found_inf))
     stepped = property(lambda self: self._optimizer_step and not self.skipped)
     scale = property(lambda self: _host(self._scale))
     grad_norm = property(lambda self: _host(self._grad_norm))
+    nonfinite = property(lambda self: self._outcome.nonfinite() if self._outcome is not None else ())
 
     def __repr__(self) -> str:
         return (f"StepResult(loss={self.loss:.6g}, stepped={self.stepped}, skipped={self.skipped}, "
@@ -61,6 +64,8 @@ class TrainStats:
     scale: float | None = None
     min_scale: float | None = None
     max_scale: float | None = None
+    nonfinite: tuple[str, ...] = ()
+    """the parameters named by the last skipped step checked per parameter (:attr:`StepResult.nonfinite`)"""
 
     def record(self, skipped: bool, scale: float | None) -> None:
         """Count one optimizer step."""
@@ -211,13 +216,15 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -
 
 
 class _Outcome:
-    """A step's found inf, loss and scale on their way to the host: on CUDA one row (which also keeps the loss from
-    the next CUDA-graph replay), copied without blocking, an event after it; elsewhere the tensors, read at once."""
+    """A step's found inf, loss and scale (and per-parameter flags, with their names) on their way to the host: on CUDA
+    one row (which also keeps the loss from the next CUDA-graph replay), copied without blocking, an event after it;
+    elsewhere the tensors, read at once."""
 
-    __slots__ = ("found_inf", "loss", "scale", "values", "event")
+    __slots__ = ("found_inf", "loss", "scale", "values", "event", "names", "flags")
 
-    def __init__(self, found_inf: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor | None):
-        self.event = None
+    def __init__(self, found_inf: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor | None,
+                 names: list[str] = (), flags: torch.Tensor | None = None):
+        self.event, self.names, self.flags = None, names, flags
         if not found_inf.is_cuda:  # the scaler updates its scale in place
             self.found_inf, self.loss, self.scale = found_inf, loss, None if scale is None else scale.clone()
             return
@@ -225,6 +232,7 @@ class _Outcome:
         self.found_inf, self.loss, self.scale = row[0], row[1], None if scale is None else row[2]
         with torch.inference_mode(False):
             self.values = row.to("cpu", non_blocking=True)
+            self.flags = None if flags is None else flags.to("cpu", non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record(torch.cuda.current_stream(row.device))
 
@@ -237,10 +245,18 @@ class _Outcome:
         self.event.synchronize()
         return self.values.tolist()
 
+    def nonfinite(self) -> tuple[str, ...]:
+        if self.flags is None:
+            return ()
+        if self.event is not None:
+            self.event.synchronize()
+        return tuple(name for name, flag in zip(self.names, self.flags.tolist()) if flag)
+
 
 class StepEngine:
     """Accumulation, the guarded optimizer step, clipping, counting outcomes and the skip limit. ``probe`` is called
-    with the step's number between unscaling and clipping (``fit``'s underflow figures)."""
+    with the step's number between unscaling and clipping (``fit``'s underflow figures); what it returns, if not
+    None, is called after the optimizer step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: _Guard, *,
                  autocast: Callable[[], Any], compile_mode: str | None, compute_loss: Callable[[Any], Any],
@@ -315,8 +331,8 @@ class StepEngine:
         found_inf = self.guard.unscale_and_check(self.optimizer, grads)
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
-        if self.probe is not None:
-            self.probe(self.global_step + 1)
+        after = self.probe(self.global_step + 1) if self.probe is not None else None
+        names, flags = self._nonfinite_flags(params) if self.consecutive_skips else ((), None)
         grad_norm = None
         if self.max_grad_norm is not None:
             grad_norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm)
@@ -325,17 +341,32 @@ class StepEngine:
         try:
             self.guard.step(self.optimizer, found_inf)
             self.guard.update()
-            outcome = _Outcome(found_inf, loss, self.guard.scale_tensor())
+            outcome = _Outcome(found_inf, loss, self.guard.scale_tensor(), names, flags)
             self._pending.append(outcome)
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced, self.global_step = 0, False, self.global_step + 1
             if outcome is None:  # counted with the others (a second error would hide the first)
                 with contextlib.suppress(Exception):
                     self._pending.append(_Outcome(found_inf, loss, None))
+        if after is not None:
+            after()
         self.optimizer.zero_grad(set_to_none=True)
         if outcome.event is None:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
-        return StepResult(outcome.loss, True, found_inf=outcome.found_inf, scale=outcome.scale, grad_norm=grad_norm)
+        return StepResult(outcome.loss, True, found_inf=outcome.found_inf, scale=outcome.scale, grad_norm=grad_norm,
+                          outcome=outcome if flags is not None else None)
+
+    def _nonfinite_flags(self, params: list[nn.Parameter]) -> tuple[list[str], torch.Tensor]:
+        """The names of the parameters with gradients, and 1 for each whose gradient holds an inf or NaN: a read of
+        every gradient, made only while steps are being skipped. Every rank gets the same flags."""
+        names = {p: n for n, p in _dist.unwrap(self.model).named_parameters()}
+        with_grad = [p for p in params if p.grad is not None]
+        device = with_grad[0].grad.device if with_grad else torch.device("cpu")
+        flags = torch.stack([(~_compat.dense_values(p.grad).isfinite()).any().to(device, torch.float32)
+                             for p in with_grad]) if with_grad else torch.zeros(0)
+        if self.distributed:
+            _dist.all_reduce_max_(flags)
+        return [names[p] for p in with_grad], flags
 
     def discard_accumulation(self) -> None:
         """Drop the gradients of an open accumulation (after an error, or on load)."""
@@ -347,15 +378,16 @@ class StepEngine:
         """Count the steps' outcomes: all, waiting; else those on the host and any two steps old (skip limit too)."""
         while self._pending and (wait_all or len(self._pending) > 1 or self._pending[0].ready()):
             values = self._pending[0].read()  # an interrupt in the wait leaves it pending
-            self._pending.pop(0)
-            self._count(values)
+            self._count(values, self._pending.pop(0))
 
-    def _count(self, values: list[float]) -> None:
+    def _count(self, values: list[float], outcome: _Outcome) -> None:
         """Count an outcome; then the scheduler's step if it was taken, the collapse warning, the skip limit."""
         skipped, scale = bool(values[0]), (values[2] if len(values) > 2 else None)
         if not math.isnan(values[1]):  # a flush has no micro-batch loss
             self.last_loss = values[1]
         self.stats.record(skipped, scale)
+        if skipped and outcome.flags is not None:
+            self.stats.nonfinite = outcome.nonfinite()
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
         if not skipped and self.scheduler is not None:
             self.scheduler.step()
@@ -367,5 +399,7 @@ class StepEngine:
         if skipped and self.consecutive_skips == self.max_consecutive_skips:  # once a run: a save can follow
             raise RuntimeError(
                 f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients (at "
-                f"optimizer step {self.stats.steps}, loss scale {scale}); the loss or the model diverged. Lower the "
-                "learning rate, check the data, or try precision='bf16' or 'fp32'")
+                f"optimizer step {self.stats.steps}, loss scale {scale}"
+                + (f"; non-finite gradients in {', '.join(self.stats.nonfinite[:8])}" if self.stats.nonfinite else "")
+                + "); the loss or the model diverged. Lower the learning rate, check the data, or try precision='bf16' "
+                "or 'fp32'")

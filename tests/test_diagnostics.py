@@ -1,5 +1,7 @@
-"""gradient_underflow (the real cast, counted on each side of every boundary), fit's underflow_every, and the
-skip counters of the training stats."""
+"""gradient_underflow (the real cast, counted on each side of every boundary, in every format), precision_report,
+lost_updates, fit's underflow_every, and the skip counters of the training stats."""
+
+import copy
 
 import pytest
 import torch
@@ -7,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import batch, batches, mk, tiny_mlp
 
 from precisionloop import FP16Policy, Trainer
-from precisionloop.diagnostics import gradient_underflow
+from precisionloop.diagnostics import gradient_underflow, lost_updates, precision_report
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -69,7 +71,7 @@ def test_per_parameter_breakdown_and_table():
     assert "1.bias" not in report.by_parameter
     assert report.nonzero == 9 and report.underflow == pytest.approx(2 / 9)
     text = str(report)
-    assert "0.weight" in text and "22.2222%" in text and "nonzero gradient values" in text
+    assert "0.weight" in text and "22.2222%" in text and "9 nonzero values" in text
     assert report.to_dict()["dtype"] == "float16"
 
 
@@ -80,8 +82,91 @@ def test_bad_arguments():
         gradient_underflow([("w", torch.ones(2))], torch.int8)
     with pytest.raises(ValueError, match="scale"):
         gradient_underflow([("w", torch.ones(2))], scale=0.0)
+    with pytest.raises(ValueError, match="'tensorwise' or 'rowwise'"):
+        gradient_underflow([("w", torch.ones(2))], torch.float8_e4m3fn, scale="columnwise")
     with pytest.raises(ValueError, match="every gradient value is zero"):
         gradient_underflow([("w", torch.zeros(2))])
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.mark.parametrize("dtype, smallest, largest, over", [
+    (torch.float16, 2.0**-24, 65504.0, 70000.0), (torch.bfloat16, 2.0**-133, 2.0**127 * (2 - 2.0**-7), 3.4e38),
+    (E4M3, 2.0**-9, 448.0, 500.0), (E5M2, 2.0**-16, 57344.0, 70000.0)])
+def test_each_format_at_its_smallest_subnormal_and_largest_finite_value(dtype, smallest, largest, over):
+    # 0.4x the smallest subnormal becomes 0, the smallest and the largest stay exact, `over` overflows (to inf, or
+    # past the largest for e4m3, which has no inf); 1.25x the smallest rounds to it (error 0.2)
+    grad = torch.tensor([0.4 * smallest, smallest, 1.25 * smallest, largest, -largest, over, 0.0])
+    report = gradient_underflow([("w", grad)], dtype, scale=1.0)
+    assert report.nonzero == 6 and report.underflow == 1 / 6 and report.overflow == 1 / 6
+    assert report.subnormal == 2 / 6  # the smallest, and 1.25x it, which rounds to it
+    assert report.error == pytest.approx(0.2 / 4)
+    assert report.underflow_scaled == report.underflow and report.overflow_scaled == report.overflow
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_fp8_amax_scaling_tensorwise_and_rowwise(dtype):
+    largest = torch.finfo(dtype).max
+    grad = torch.tensor([[1e-8, 1.0, 2.0], [3.0, 0.0, 1e-30]])
+    # Tensorwise: 3.0 maps to the largest value, which nothing then exceeds; 1e-30 becomes 0 and so does 1e-8 (e4m3).
+    tensorwise = gradient_underflow([("w", grad)], dtype, scale="tensorwise")
+    gone = (1e-8 * largest / 3 < torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps / 2) + 1
+    assert tensorwise.overflow_scaled == 0 and tensorwise.underflow_scaled == gone / 5
+    # Rowwise: each row's own amax, scales rounded down to a power of two (so 2.0 and 3.0 lie below the largest).
+    rowwise = gradient_underflow([("w", grad)], dtype, scale="rowwise")
+    assert rowwise.overflow_scaled == 0
+    scales = [2.0 ** torch.floor(torch.log2(torch.tensor(largest / a))).item() for a in (2.0, 3.0)]
+    expected = torch.tensor([[1e-8 * scales[0], scales[0], 2 * scales[0]], [3 * scales[1], 0, 1e-30 * scales[1]]])
+    cast = expected.to(dtype).float()
+    nonzero = expected != 0
+    assert rowwise.underflow_scaled == ((cast == 0) & (grad != 0)).sum().item() / 5
+    survive = (cast != 0) & nonzero
+    assert rowwise.error_scaled == pytest.approx(((cast - expected).abs() / expected.abs())[survive].mean().item())
+    # A 1-D tensor is one row: rowwise and tensorwise agree up to the power-of-two rounding.
+    one_row = gradient_underflow([("b", torch.tensor([0.5, 1.0]))], dtype, scale="rowwise")
+    assert one_row.underflow_scaled == 0 and one_row.overflow_scaled == 0
+
+
+def test_lost_updates_exact_on_a_constructed_case():
+    layer = torch.nn.Linear(3, 1, bias=False)
+    torch.nn.init.ones_(layer.weight)
+    before = {"weight": layer.weight.detach().clone()}
+    with torch.no_grad():  # bf16's spacing at 1.0 is 2^-7: 1e-4 rounds back to 1.0, 1e-2 does not
+        layer.weight += torch.tensor([[1e-4, 1e-2, 0.0]])
+    report = lost_updates(before, layer)
+    assert report.nonzero == 2 and report.lost == 0.5 and report.by_parameter == {"weight": (2, 0.5)}
+    assert lost_updates(before, layer, torch.float32).lost == 0.0  # fp32 keeps both
+    assert lost_updates({}, layer).lost is None and "50.0000% would be lost" in str(report)
+
+
+def test_precision_report_measures_every_layer_and_changes_nothing():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Dropout(0.5),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    trainer = Trainer(model, optimizer, "bf16", device="cpu")
+    data = (torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 0]))
+    trainer.step(data)
+    model.eval()
+    torch.nn.functional.mse_loss(model(data[0]), torch.zeros(4, 3)).backward()  # an open window's gradients
+    state, grads = copy.deepcopy(model.state_dict()), [p.grad.clone() for p in model.parameters()]
+    optimizer_state, rng, steps = copy.deepcopy(optimizer.state_dict()), torch.get_rng_state(), trainer.global_step
+    report = precision_report(trainer, data)
+    assert [(r["layer"], r["tensor"]) for r in report.rows] == [
+        (layer, tensor) for layer in ("0", "4") for tensor in ("input", "weight", "output grad")]
+    assert report.formats == ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+    weight = report.rows[1]
+    assert weight["nonzero"] == 36 and weight["float8_e4m3fn"]["overflow"] == 0 and weight["bfloat16"]["error"] > 0
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert str(optimizer.state_dict()) == str(optimizer_state) and trainer.global_step == steps
+    assert torch.equal(torch.get_rng_state(), rng) and not model.training
+    assert "output grad" in str(report) and report.to_dict()["rows"][0]["layer"] == "0"
+    other = tiny_mlp()
+    compiled = Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), "fp32", device="cpu", compile=True)
+    with pytest.raises(ValueError, match="eager single-process"):
+        precision_report(compiled, data)
 
 
 def test_counters_after_injected_overflows():
@@ -108,6 +193,7 @@ def test_fit_records_underflow_every_n_steps():
     assert all(m["dtype"] == "float16" and m["nonzero"] > 0 and 0 <= m["underflow_scaled"] <= m["underflow"] <= 1
                for m in trainer.underflow_history)
     assert history[0]["underflow"] == trainer.underflow_history[-1]["underflow"]
+    assert all(0 <= m["lost_updates"] <= 1 for m in trainer.underflow_history)
     other = tiny_mlp()
     untouched = Trainer(other, torch.optim.SGD(other.parameters(), lr=0.01), "fp16", device="cpu")
     assert "underflow" not in untouched.fit(data, epochs=1, progress=False)[0]

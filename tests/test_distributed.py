@@ -106,7 +106,9 @@ def inf_on_one_rank(rank, out_dir):
             armed["on"] = True
             result = trainer.step(_local(data[1], rank))
             after = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in trainer.model.parameters()]
-            outcomes[f"{mode}-{precision}"] = (result.skipped, result.scale, all(torch.equal(a, b) for a, b in zip(before, after)))
+            named = trainer.step(_local(data[1], rank)).nonfinite  # a second skip in a row names the parameters
+            outcomes[f"{mode}-{precision}"] = (result.skipped, result.scale, all(torch.equal(a, b) for a, b in zip(before, after)),
+                                               named)
     torch.save(outcomes, os.path.join(out_dir, f"outcomes-{rank}.pt"))
 
 
@@ -212,11 +214,13 @@ def test_fsdp_shards_on_the_trainers_device_not_the_machines_accelerator(tmp_pat
 
 def test_inf_on_one_rank_skips_on_every_rank(tmp_path):
     run("inf_on_one_rank", tmp_path)
+    named = {}
     for rank in range(WORLD):
         outcomes = torch.load(tmp_path / f"outcomes-{rank}.pt")
-        for key, (skipped, scale, unchanged) in outcomes.items():
+        for key, (skipped, scale, unchanged, names) in outcomes.items():
             assert skipped and unchanged, (rank, key)
             assert scale == (2.0**15 if "fp16" in key else None), (rank, key)
+            assert names and named.setdefault(key, names) == names, (rank, key)  # the same names on every rank
 
 
 def test_fit_shards_data_syncs_metrics_and_checkpoints_round_trip(tmp_path):

@@ -241,10 +241,12 @@ def test_grad_underflow_recipe_tiny_run(tmp_path, capsys):
     out = tmp_path / "u.json"
     result = grad_underflow.main(["--epochs", "1", "--max-steps", "3", "--device", "cpu", "--no-progress",
                                   "--json", str(out)])
-    assert "below fp16's floor" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "e4m3 x tensorwise" in printed and "How to read this" in printed and "this run:" in printed
     saved = json.loads(out.read_text())
-    assert saved["steps"] == 3 and saved["fp16"]["nonzero"] > 0 and saved["bf16"]["underflow"] == 0
-    assert result["fp16"]["scale"] == 65536.0
+    assert saved["steps"] == 4 and saved["fp16"]["nonzero"] > 0 and saved["bf16"]["underflow"] == 0
+    assert saved["e4m3"]["overflow_scaled"] == 0 and saved["e5m2"]["scale"] == "tensorwise"
+    assert 0 <= saved["lost_updates"]["lost"] <= 1 and result["fp16"]["scale"] == 65536.0
     with pytest.raises(SystemExit):
         grad_underflow.main(["--device", "cpu", "--scale", "inf"])
 

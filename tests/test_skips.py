@@ -415,3 +415,23 @@ def test_8bit_optimizer_states_keep_the_skip_guarantee(precision):
     assert same_state(_plain_state(opt), state), "the 8-bit state changed on a skipped step"
     poison.armed = False
     assert trainer.step(data[2]).stepped and not same_state(_plain_state(opt), state)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_skipped_step_names_its_parameters_from_the_second_in_a_row(device, fused):
+    model = tiny_mlp()
+    poison = Poison(model[2].weight, float("nan"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    trainer = Trainer(model, optimizer, "bf16", device=device, max_consecutive_skips=3)
+    data = batches(4)
+    assert trainer.step(data[0]).nonfinite == ()
+    poison.armed = True
+    first = trainer.step(data[1])
+    assert first.skipped and first.nonfinite == ()  # a first skip is checked as one flag, at no extra cost
+    second = trainer.step(data[2])
+    assert second.skipped and second.nonfinite == ("2.weight",)
+    assert trainer.stats.nonfinite == ("2.weight",)
+    with pytest.raises(RuntimeError, match="3 optimizer steps in a row .*non-finite gradients in 2.weight"):
+        trainer.step(data[3])
+        trainer.stats  # on CUDA the outcome is counted when read
