@@ -43,13 +43,21 @@ def transformer_run(precision: str, args: argparse.Namespace, device: torch.devi
     # A task the model cannot memorise (each next token follows a fixed permutation half the time): the loss
     # settles at the noise's entropy, so the two final losses compare learning, not memorising.
     batches = models.noisy_bigrams(args.steps, args.batch, args.sizes["seq_len"], args.sizes["vocab"], seed=args.seed)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    warm, results = min(50, args.steps // 2), []  # the steady state starts after torchao's compiles
     began = time.perf_counter()
-    results = [trainer.step(batch) for batch in batches]
+    for i, batch in enumerate(batches):
+        if i == warm:
+            sync()
+            steady_from = time.perf_counter()
+        results.append(trainer.step(batch))
+    sync()
+    seconds, steady_ms = time.perf_counter() - began, 1000 * (time.perf_counter() - steady_from) / (args.steps - warm)
     losses = [float(r.loss) for r in results]
-    seconds = time.perf_counter() - began
     tail = losses[-args.tail:]
     return {"precision": precision, "final_loss": sum(tail) / len(tail), "first_loss": losses[0],
             "skipped": trainer.stats.skipped, "peak_mb": peak_mb(device) if device.type == "cuda" else None, "seconds": seconds,
+            "steady_step_ms": steady_ms,
             "breakdown_mb": trainer.memory_breakdown().to_dict(), "losses": losses}
 
 
@@ -109,11 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
             runs.append(r)
             print(f"{r['precision']:>9}: final loss (mean of the last {args.tail}) {r['final_loss']:.4f} from "
                   f"{r['first_loss']:.4f}, peak {r['peak_mb'] or float('nan'):.0f} MB, {r['skipped']} skipped, "
-                  f"{r['seconds']:.1f} s; parts MB: "
+                  f"{r['seconds']:.1f} s, steady step {r['steady_step_ms']:.2f} ms; parts MB: "
                   f"{json.dumps({k: round(v, 1) for k, v in r['breakdown_mb'].items() if v is not None})}", flush=True)
         mixed, pure = runs
         summary = {"sizes": args.sizes, "batch": args.batch, "steps": args.steps,
-                   "loss_change_pct": 100 * (pure["final_loss"] / mixed["final_loss"] - 1)}
+                   "loss_change_pct": 100 * (pure["final_loss"] / mixed["final_loss"] - 1),
+                   "steady_step_ratio": pure["steady_step_ms"] / mixed["steady_step_ms"]}
         if mixed["peak_mb"]:
             summary["peak_saving_pct"] = 100 * (1 - pure["peak_mb"] / mixed["peak_mb"])
     else:

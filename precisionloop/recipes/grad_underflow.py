@@ -74,37 +74,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"trained {trainer.global_step} steps in fp32; last epoch's mean loss {history[-1]['train_loss']:.4f}")
 
     batch = trainer.to_device(next(iter(loader)))
-    trainer.model.zero_grad(set_to_none=True)
-    with trainer.autocast():
-        loss = trainer.compute_loss(batch)
-    loss.backward()
-    reports = {key: gradient_underflow(trainer.model, dtype, scale) for key, dtype, scale in (
-        ("fp16", torch.float16, args.scale), ("bf16", torch.bfloat16, 1.0),
-        ("e4m3", torch.float8_e4m3fn, "tensorwise"), ("e5m2", torch.float8_e5m2, "tensorwise"))}
-    fp16 = reports["fp16"]
-    print(f"\none batch's gradients: {fp16.nonzero:,} nonzero values, median |g| {fp16.median_abs:.2g}")
-    print(f"  {'format':<30}{'become 0':>10}{'overflow':>10}{'rel. error':>12}")
-    for label, key, scaled in (("fp16, as cast", "fp16", False), (f"fp16 x {args.scale:g} (loss scale)", "fp16", True),
-                               ("bf16, as cast", "bf16", False), ("e4m3 x tensorwise", "e4m3", True),
-                               ("e5m2 x tensorwise", "e5m2", True)):
-        r = reports[key]
-        row = (r.underflow_scaled, r.overflow_scaled, r.error_scaled) if scaled else (r.underflow, r.overflow, r.error)
-        print(f"  {label:<30}{row[0]:>10.4%}{row[1]:>10.4%}{row[2]:>12.3g}")
-    grads = torch.cat([p.grad.detach().float().abs().flatten() for p in trainer.model.parameters() if p.grad is not None])
-    trainer.model.zero_grad(set_to_none=True)
+    reports, grads = _gradient_table(trainer, batch, args.scale)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.step(batch)  # one more Adam step, to see which of its updates bf16 weights would keep
     lost = lost_updates(before, trainer.model, torch.bfloat16)
     print(f"\none Adam step (lr {args.lr:g}): {lost}")
-    print(f"""
-How to read this: "become 0" is the share of nonzero gradients whose cast to the format is exactly 0, so the update
-never sees them; a loss scale multiplies the loss, and so every gradient, before the cast (fp16's GradScaler does,
-and divides it out in fp32 afterwards); fp8 training scales each tensor so its largest magnitude maps to the
-format's largest value (torchao's tensorwise scaling), so nothing overflows. "rel. error" is the mean relative error
-of the values that survive the round trip. The last block is the share of one step's weight updates too small to
-change a bf16 weight (under half its spacing): with bf16 weights, keep an fp32 copy (precision="bf16") or round
-stochastically when this share is large. The seed's figures below come from FashionMNIST ({source.split(' ')[0]}
-here): pass --data-dir to compare like with like.""")
+    print(_EXPLAINED.format(source=source))
+    fp16 = reports["fp16"]
     print(f"seed ({SEED['data']}): {SEED['nonzero']:,} nonzero, median {SEED['median_abs']:.2g}; "
           f"{100 * SEED['underflow']:.2f}% unscaled, {100 * SEED['underflow_scaled']:.4f}% with 65536; this run: "
           f"{100 * fp16.underflow:.2f}% and {100 * fp16.underflow_scaled:.4f}%")
@@ -117,6 +93,40 @@ here): pass --data-dir to compare like with like.""")
             json.dump(result, f, indent=2)
         print(f"report written to {args.json}")
     return result
+
+
+_EXPLAINED = """
+How to read this: "become 0" is the share of nonzero gradients whose cast to the format is exactly 0, so the update
+never sees them; a loss scale multiplies the loss, and so every gradient, before the cast (fp16's GradScaler does,
+and divides it out in fp32 afterwards); fp8 training scales each tensor so its largest magnitude maps to the
+format's largest value (torchao's tensorwise scaling), so nothing overflows. "rel. error" is the mean relative error
+of the values that survive the round trip. The last block is the share of one step's weight updates too small to
+change a bf16 weight (under half its spacing): with bf16 weights, keep an fp32 copy (precision="bf16") or round
+stochastically when this share is large. The seed's figures below come from FashionMNIST, this run's from
+{source}."""
+
+
+def _gradient_table(trainer: Trainer, batch, scale: float) -> tuple[dict, torch.Tensor]:
+    """One batch's gradients counted in each format and printed; the reports and the gradients' magnitudes."""
+    trainer.model.zero_grad(set_to_none=True)
+    with trainer.autocast():
+        loss = trainer.compute_loss(batch)
+    loss.backward()
+    reports = {key: gradient_underflow(trainer.model, dtype, s) for key, dtype, s in (
+        ("fp16", torch.float16, scale), ("bf16", torch.bfloat16, 1.0),
+        ("e4m3", torch.float8_e4m3fn, "tensorwise"), ("e5m2", torch.float8_e5m2, "tensorwise"))}
+    print(f"\none batch's gradients: {reports['fp16'].nonzero:,} nonzero values, median |g| "
+          f"{reports['fp16'].median_abs:.2g}")
+    print(f"  {'format':<30}{'become 0':>10}{'overflow':>10}{'rel. error':>12}")
+    for label, key, scaled in (("fp16, as cast", "fp16", False), (f"fp16 x {scale:g} (loss scale)", "fp16", True),
+                               ("bf16, as cast", "bf16", False), ("e4m3 x tensorwise", "e4m3", True),
+                               ("e5m2 x tensorwise", "e5m2", True)):
+        r = reports[key]
+        row = (r.underflow_scaled, r.overflow_scaled, r.error_scaled) if scaled else (r.underflow, r.overflow, r.error)
+        print(f"  {label:<30}{row[0]:>10.4%}{row[1]:>10.4%}{row[2]:>12.3g}")
+    grads = torch.cat([p.grad.detach().float().abs().flatten() for p in trainer.model.parameters() if p.grad is not None])
+    trainer.model.zero_grad(set_to_none=True)
+    return reports, grads
 
 
 def _plot(magnitudes: torch.Tensor, scale: float, path: str) -> None:

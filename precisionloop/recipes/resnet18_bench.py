@@ -418,6 +418,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     for precision in args.precisions:
         method, why = _method_for(args, device, bool(compile_for(policy_for(precision, args), args, device)))
         say(f"timing {precision}: {method} ({why})")
+    if not args.compile and compile_for(None, args, device):
+        say("every precision is compiled: fp8 always is, and one table compares compiled with compiled")
     systems = ["precisionloop"] + ([] if args.no_hand_loop else ["hand"])
     configs = [(p, bs) for bs in args.batch_sizes for p in args.precisions]
     results = []
