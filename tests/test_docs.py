@@ -19,7 +19,7 @@ def synthetic_mnist(root, train=True, download=False, transform=None):
     return TensorDataset(torch.randn(n, 1, 28, 28, generator=generator), torch.randint(0, 10, (n,), generator=generator))
 
 
-@pytest.mark.parametrize("page", ["getting-started.md", "training-loop.md", "porting.md"])
+@pytest.mark.parametrize("page", ["getting-started.md", "training-loop.md", "porting.md", "diagnostics.md"])
 def test_the_pages_examples_run(page, tmp_path, monkeypatch):
     import torchvision.datasets
 
@@ -34,6 +34,6 @@ def test_the_pages_examples_run(page, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
 def test_every_pages_python_blocks_parse(page):
-    """The pages that need a GPU or torchao at least parse; the three above also run."""
+    """The pages that need a GPU or torchao at least parse; the four above also run."""
     for index, block in enumerate(PYTHON_BLOCK.findall((DOCS / page).read_text())):
         compile(block, f"docs/{page} python block {index + 1}", "exec")
