@@ -19,6 +19,7 @@ __all__ = ["gradient_underflow", "underflow_summary", "precision_report", "lost_
 FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 """The formats :func:`precision_report` tests by default."""
 _AMAX_FLOOR = 1e-12  # torchao's: an all-zero tensor still gets a finite scale
+_NO_INF = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)  # they overflow past their largest value
 _STATS = ("underflow", "overflow", "error")
 
 
@@ -34,7 +35,8 @@ def _scaled(x: torch.Tensor, dtype: torch.dtype, scale: float | str) -> torch.Te
         return x * scale
     limit = torch.finfo(dtype).max
     rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    amax = rows.abs().amax(dim=-1, keepdim=True) if scale == "rowwise" else rows.abs().amax()
+    finite = rows.abs().where(rows.isfinite(), 0.0)  # one inf or NaN does not decide every other value's scale
+    amax = finite.amax(dim=-1, keepdim=True) if scale == "rowwise" else finite.amax()
     factor = (limit / amax.double().clamp(min=_AMAX_FLOOR)).float()  # float64 first, as torchao does
     if scale == "rowwise":
         factor = torch.exp2(torch.floor(torch.log2(factor)))
@@ -46,9 +48,8 @@ def _cast_counts(x: torch.Tensor, scaled: torch.Tensor, dtype: torch.dtype) -> t
     of the round trip over those that survive], float64 on ``x``'s device, from the real cast of ``scaled``."""
     finfo, nonzero = torch.finfo(dtype), (x != 0) & x.isfinite()
     cast = scaled.to(dtype).float()  # compared in fp32: fp8 has no comparison kernels everywhere
-    has_inf = bool(torch.tensor(math.inf).to(dtype).float().isinf())
     zero = nonzero & (cast == 0)
-    over = nonzero & (~cast.isfinite() if has_inf else ~cast.isfinite() | (scaled.abs() > finfo.max))
+    over = nonzero & (~cast.isfinite() | (scaled.abs() > finfo.max) if dtype in _NO_INF else ~cast.isfinite())
     survive = nonzero & ~zero & ~over
     error = ((cast - scaled).abs() / scaled.abs()).where(survive, 0.0).double().sum()
     subnormal = nonzero & (cast != 0) & (cast.abs() < finfo.smallest_normal)
@@ -120,6 +121,8 @@ def _check_format(dtype: Any, scale: Any) -> None:
         raise ValueError(f"dtype must be a floating-point torch.dtype narrower than float64, such as torch.float16, "
                          f"torch.bfloat16 or torch.float8_e4m3fn; got {dtype!r}")
     if scale in ("tensorwise", "rowwise"):
+        if dtype.itemsize != 1:
+            raise ValueError(f"scale={scale!r} is torchao's amax scaling for fp8 formats, not {dtype}")
         return
     if isinstance(scale, (bool, str, bytes)) or not (isinstance(scale, (numbers.Real, torch.Tensor))
                                                      and math.isfinite(float(scale)) and float(scale) > 0):
@@ -211,14 +214,17 @@ class PrecisionReport:
                             for f in self.formats)
             lines.append(f"{r['layer']:<{width}}  {r['tensor']:<11} {r['nonzero']:>11,}{cells}")
         return "\n".join(lines + ["16-bit formats as cast, fp8 ones with torchao's tensorwise scaling; 0: become 0, "
-                                  "inf: overflow, err: mean relative error of the values that survive"])
+                                  "inf: overflow, err: mean relative error of the values that survive; values as the "
+                                  "Trainer's policy computes them (under autocast, outputs are in its dtype already)"])
 
 
 def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = FORMATS) -> PrecisionReport:
     """What each format would do to every ``nn.Linear`` and convolution's inputs, weights and output gradients (what
     fp8 training casts), from one forward and backward of ``batch`` through ``trainer`` (its ``compute_loss``, under
     its policy). fp8 formats are scaled tensorwise, as torchao's default recipe does; 16-bit ones are cast as they
-    are. Nothing changes: weights, optimizer state, counters, gradients, buffers (batch-norm statistics), RNG state.
+    are. The values are those the Trainer's policy computes: under bf16 autocast the outputs, and so their gradients,
+    are bf16 already (an fp32 Trainer shows every format from fp32). Nothing changes: weights, optimizer state,
+    counters, gradients, buffers (batch-norm statistics), each module's train or eval mode, RNG state.
 
     Raises:
         ValueError: a compiled or distributed Trainer (hooks need the eager single-process model), or a format that
@@ -245,7 +251,7 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
         return forward
 
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))]
-    params, buffers, training = list(model.parameters()), list(model.buffers()), model.training
+    params, buffers, modes = list(model.parameters()), list(model.buffers()), {m: m.training for m in model.modules()}
     grads, saved = [p.grad for p in params], [b.detach().clone() for b in buffers]
     handles = [m.register_forward_hook(hook(n)) for n, m in layers]
     devices = [trainer.device] if trainer.device.type == "cuda" else []
@@ -268,7 +274,8 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
         with torch.no_grad():
             for b, value in zip(buffers, saved):
                 b.copy_(value)
-        model.train(training)
+        for module, mode in modes.items():
+            module.training = mode
     return _report([n for n, _ in layers], counts, [_name(f) for f in formats])
 
 
@@ -324,9 +331,9 @@ def lost_updates(before: Mapping[str, torch.Tensor], model: nn.Module, dtype: to
     names, rows = [], []
     for name, p in model.named_parameters():
         if name in before:
-            old = before[name].detach().to(p.device).float()
+            old = _compat.dense_values(before[name].detach()).to(p.device).float()  # under FSDP2, this rank's shard
             stored = old.to(dtype).float()
-            update = p.detach().float() - old
+            update = _compat.dense_values(p.detach()).float() - old
             moved = (update != 0) & update.isfinite()
             lost = moved & ((stored + update).to(dtype).float() == stored)
             names.append(name)

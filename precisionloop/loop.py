@@ -263,7 +263,7 @@ class _Epoch:
 
     def _fold(self, now: bool = True) -> None:
         if now and self.losses:
-            losses, self.losses = torch.stack(self.losses), []
+            losses, self.losses = torch.stack(self.losses).float(), []  # a bf16 loss summed in fp32
             self.loss_sum += torch.where(torch.isfinite(losses), losses, 0.0).sum()
             self.finite += torch.isfinite(losses).sum()
 
@@ -314,7 +314,9 @@ def _underflow_probe(trainer, every: int):
         scale = trainer.scaler.get_scale() if trainer.scaler is not None else 65536.0
         record = {"step": step, **diagnostics.underflow_summary(trainer.model, dtype, scale)}
         trainer.underflow_history.append(record)
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        # A copy of the fp32 weights (bf16-pure ones have lost those updates already): memory the size of the weights.
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+                  if p.requires_grad and p.dtype == torch.float32}
         return lambda: record.update(lost_updates=diagnostics.lost_updates(before, trainer.model).lost)
     return probe
 

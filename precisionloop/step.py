@@ -4,6 +4,7 @@ without blocking and is counted later, so a fused optimizer never waits for the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -27,8 +28,9 @@ class StepResult:
         skipped: this micro-batch ended an accumulation, but its optimizer step was skipped for non-finite gradients.
         scale: the loss scale after this step, or ``None`` without a scaler.
         grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
-        nonfinite: the names of the parameters whose gradients held an inf or NaN. Checked per parameter from the
-            second skipped step in a row on (once the first skip's outcome has reached the host), else ``()``.
+        nonfinite: the names of the parameters whose gradients held an inf or NaN, checked per parameter from the
+            second skipped step in a row on, else ``()``. On CUDA "in a row" counts the skips the host has seen
+            when the step starts: at once after ``result.skipped`` is read, else a step later.
     """
 
     __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "_optimizer_step", "_outcome")
@@ -271,6 +273,7 @@ class StepEngine:
         self.collapse_warned = self.unsynced = self.sync_next = False  # sync_next: fit's last micro-batch of an epoch
         self.probe: Callable[[int], None] | None = None
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
+        self.recent_skips: collections.deque[int] = collections.deque(maxlen=2)  # the last skipped steps' numbers
 
     def step(self, batch: Any) -> StepResult:
         """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
@@ -332,7 +335,11 @@ class StepEngine:
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
         after = self.probe(self.global_step + 1) if self.probe is not None else None
-        names, flags = self._nonfinite_flags(params) if self.consecutive_skips else ((), None)
+        if self.distributed:  # every rank decides alike: from the step two back on CUDA (counted above), else the last
+            check = self.global_step + 1 - (2 if found_inf.is_cuda else 1) in self.recent_skips
+        else:
+            check = self.consecutive_skips > 0
+        names, flags = self._nonfinite_flags(params, found_inf.device) if check else ((), None)
         grad_norm = None
         if self.max_grad_norm is not None:
             grad_norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm)
@@ -356,17 +363,15 @@ class StepEngine:
         return StepResult(outcome.loss, True, found_inf=outcome.found_inf, scale=outcome.scale, grad_norm=grad_norm,
                           outcome=outcome if flags is not None else None)
 
-    def _nonfinite_flags(self, params: list[nn.Parameter]) -> tuple[list[str], torch.Tensor]:
-        """The names of the parameters with gradients, and 1 for each whose gradient holds an inf or NaN: a read of
-        every gradient, made only while steps are being skipped. Every rank gets the same flags."""
+    def _nonfinite_flags(self, params: list[nn.Parameter], device: torch.device) -> tuple[list[str], torch.Tensor]:
+        """The parameters' names, and 1 for each whose gradient holds an inf or NaN: a read of every gradient, made
+        only while steps are being skipped. Every rank gets the same flags (under FSDP2 each holds a shard)."""
         names = {p: n for n, p in _dist.unwrap(self.model).named_parameters()}
-        with_grad = [p for p in params if p.grad is not None]
-        device = with_grad[0].grad.device if with_grad else torch.device("cpu")
-        flags = torch.stack([(~_compat.dense_values(p.grad).isfinite()).any().to(device, torch.float32)
-                             for p in with_grad]) if with_grad else torch.zeros(0)
+        flags = torch.stack([torch.zeros((), device=device) if p.grad is None else
+                             (~_compat.dense_values(p.grad).isfinite()).any().to(device, torch.float32) for p in params])
         if self.distributed:
             _dist.all_reduce_max_(flags)
-        return [names[p] for p in with_grad], flags
+        return [names[p] for p in params], flags
 
     def discard_accumulation(self) -> None:
         """Drop the gradients of an open accumulation (after an error, or on load)."""
@@ -386,6 +391,8 @@ class StepEngine:
         if not math.isnan(values[1]):  # a flush has no micro-batch loss
             self.last_loss = values[1]
         self.stats.record(skipped, scale)
+        if skipped:
+            self.recent_skips.append(self.stats.steps)
         if skipped and outcome.flags is not None:
             self.stats.nonfinite = outcome.nonfinite()
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0

@@ -123,9 +123,16 @@ def test_fp8_amax_scaling_tensorwise_and_rowwise(dtype):
     assert rowwise.underflow_scaled == ((cast == 0) & (grad != 0)).sum().item() / 5
     survive = (cast != 0) & nonzero
     assert rowwise.error_scaled == pytest.approx(((cast - expected).abs() / expected.abs())[survive].mean().item())
-    # A 1-D tensor is one row: rowwise and tensorwise agree up to the power-of-two rounding.
-    one_row = gradient_underflow([("b", torch.tensor([0.5, 1.0]))], dtype, scale="rowwise")
-    assert one_row.underflow_scaled == 0 and one_row.overflow_scaled == 0
+    # An inf or NaN among the values does not set the scale of the finite ones.
+    spoiled = gradient_underflow([("w", torch.tensor([float("inf"), float("nan"), 1.0, 2.0]))], dtype, "tensorwise")
+    assert spoiled.nonzero == 2 and spoiled.underflow_scaled == 0 and spoiled.overflow_scaled == 0
+
+
+def test_e4m3_overflows_past_its_largest_value_and_amax_scaling_is_for_fp8_only():
+    assert gradient_underflow([("w", torch.tensor([450.0, 448.0]))], E4M3, 1.0).overflow == 0.5  # no inf to reach
+    assert gradient_underflow([("w", torch.tensor([65510.0, 65504.0]))], torch.float16, 1.0).overflow == 0  # rounds down
+    with pytest.raises(ValueError, match="amax scaling for fp8"):
+        gradient_underflow([("w", torch.ones(2))], torch.bfloat16, "tensorwise")
 
 
 def test_lost_updates_exact_on_a_constructed_case():
@@ -148,7 +155,7 @@ def test_precision_report_measures_every_layer_and_changes_nothing():
     trainer = Trainer(model, optimizer, "bf16", device="cpu")
     data = (torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 0]))
     trainer.step(data)
-    model.eval()
+    model[1].eval()  # a frozen batch norm in a model that trains
     torch.nn.functional.mse_loss(model(data[0]), torch.zeros(4, 3)).backward()  # an open window's gradients
     state, grads = copy.deepcopy(model.state_dict()), [p.grad.clone() for p in model.parameters()]
     optimizer_state, rng, steps = copy.deepcopy(optimizer.state_dict()), torch.get_rng_state(), trainer.global_step
@@ -161,7 +168,7 @@ def test_precision_report_measures_every_layer_and_changes_nothing():
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     assert str(optimizer.state_dict()) == str(optimizer_state) and trainer.global_step == steps
-    assert torch.equal(torch.get_rng_state(), rng) and not model.training
+    assert torch.equal(torch.get_rng_state(), rng) and model.training and not model[1].training
     assert "output grad" in str(report) and report.to_dict()["rows"][0]["layer"] == "0"
     other = tiny_mlp()
     compiled = Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), "fp32", device="cpu", compile=True)

@@ -632,3 +632,13 @@ def test_checkpoints_refuse_a_period_or_a_count_below_one(tmp_path):
     for bad in (dict(every=0), dict(every=10, keep_last=0)):
         with pytest.raises(ValueError, match="every >= 1 and keep_last >= 1"):
             Checkpoints(tmp_path, **bad)
+
+
+def test_fit_averages_low_precision_losses_in_fp32():
+    class BF16Loss(Trainer):
+        def compute_loss(self, batch):  # 1 + 2^-7 is exact in bf16; three of them summed in bf16 are not
+            return (self.model(batch[0]).float().sum() * 0 + 1.0078125).bfloat16()
+
+    model = tiny_mlp()
+    trainer = BF16Loss(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    assert trainer.fit(batches(3), epochs=1, progress=False)[0]["train_loss"] == 1.0078125

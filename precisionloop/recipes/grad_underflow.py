@@ -111,7 +111,8 @@ def _gradient_table(trainer: Trainer, batch, scale: float) -> tuple[dict, torch.
     trainer.model.zero_grad(set_to_none=True)
     with trainer.autocast():
         loss = trainer.compute_loss(batch)
-    loss.backward()
+    with trainer.policy.backend_flags(trainer.device.type):  # fp32 as trained: no TF32 in the backward either
+        loss.backward()
     reports = {key: gradient_underflow(trainer.model, dtype, s) for key, dtype, s in (
         ("fp16", torch.float16, scale), ("bf16", torch.bfloat16, 1.0),
         ("e4m3", torch.float8_e4m3fn, "tensorwise"), ("e5m2", torch.float8_e5m2, "tensorwise"))}
