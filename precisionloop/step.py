@@ -271,7 +271,7 @@ class StepEngine:
         self.last_loss: float | None = None  # the loss of the last counted optimizer step, on the host
         self.micro = self.global_step = self.consecutive_skips = 0
         self.collapse_warned = self.unsynced = self.sync_next = False  # sync_next: fit's last micro-batch of an epoch
-        self.probe: Callable[[int], None] | None = None
+        self.probe: Callable[[int], Callable[[], None] | None] | None = None
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
         self.recent_skips: collections.deque[int] = collections.deque(maxlen=2)  # the last skipped steps' numbers
 
