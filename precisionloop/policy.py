@@ -228,7 +228,8 @@ def warn_overridden_flags(policy: PrecisionPolicy) -> None:
 
 
 def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse a precision the device cannot run natively; warn for fp16 on the CPU (correct, but very slow)."""
+    """Refuse a precision the device cannot run natively; warn for fp16 on the CPU and bf16 on a CPU without native
+    bf16 (correct, but slower than fp32)."""
     if dtype == torch.float32:
         return
     if not torch.amp.is_autocast_available(device.type):
@@ -236,9 +237,13 @@ def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -
     if device.type == "cuda" and dtype == torch.bfloat16 and not cuda_bf16_native(device):
         raise ValueError(f"precision {name!r} needs native bf16, but {torch.cuda.get_device_name(device)} has compute "
                          "capability below 8.0; use precision='fp16', which adds loss scaling")
+    native = device.type != "cpu" or _compat.cpu_bf16_native()
     if device.type == "cpu" and dtype == torch.float16:
         warnings.warn("fp16 autocast on the CPU is supported but very slow (tens of times slower than fp32); consider "
-                      "precision='bf16'", UserWarning, stacklevel=_compat.stacklevel_outside_package())
+                      f"precision={'bf16' if native else 'fp32'!r}", UserWarning, stacklevel=_compat.stacklevel_outside_package())
+    elif not native:  # what a script swapped to precision="bf16" meets on most laptops
+        warnings.warn(f"precision {name!r}: this CPU has no native bf16, so its autocast runs emulated, several times "
+                      "slower than fp32; consider precision='fp32'", UserWarning, stacklevel=_compat.stacklevel_outside_package())
 
 
 # The TF32 switches (torch's per-backend fp32_precision: "tf32" or "ieee"), then cudnn.benchmark, as labelled.

@@ -179,8 +179,9 @@ def test_loading_under_another_precision_warns_with_both_names(tmp_path):
     with pytest.warns(UserWarning, match="'fp16'.*'bf16'") as record:
         other.load(tmp_path / "c.pt")
     assert record[0].filename == __file__  # the caller's line, through load or load_state_dict alike
+    third = make_trainer("bf16")
     with pytest.warns(UserWarning, match="'fp16'.*'bf16'") as record:
-        make_trainer("bf16").load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
+        third.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
     assert record[0].filename == __file__
     for p, q in zip(trainer.model.parameters(), other.model.parameters()):
         assert torch.equal(p, q)

@@ -106,3 +106,18 @@ def test_a_policy_that_overrides_the_users_tf32_warns_once_naming_tf32():
             matmul.fp32_precision = saved
         else:
             matmul.allow_tf32 = saved
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_and_fp16_there_suggests_fp32(monkeypatch):
+    from precisionloop import _compat
+
+    monkeypatch.setattr(_compat, "cpu_bf16_native", lambda: False)
+    model = nn.Linear(8, 4)
+    with pytest.warns(UserWarning, match="precision 'bf16': this CPU has no native bf16.*precision='fp32'"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
+    with pytest.warns(UserWarning, match="fp16 autocast on the CPU.*consider precision='fp32'"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp16", device="cpu")
+    monkeypatch.setattr(_compat, "cpu_bf16_native", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
