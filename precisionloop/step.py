@@ -406,7 +406,7 @@ class StepEngine:
         if skipped and self.consecutive_skips == self.max_consecutive_skips:  # once a run: a save can follow
             raise RuntimeError(
                 f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients (at "
-                f"optimizer step {self.stats.steps}, loss scale {scale}"
+                f"optimizer step {self.stats.steps}" + ("" if scale is None else f", loss scale {scale}")
                 + (f"; non-finite gradients in {', '.join(self.stats.nonfinite[:8])}" if self.stats.nonfinite else "")
-                + "); the loss or the model diverged. Lower the learning rate, check the data, or try precision='bf16' "
-                "or 'fp32'")
+                + "); the loss or the model diverged. Lower the learning rate or check the data"
+                + ("" if scale is None else ", or try precision='bf16', which needs no loss scale"))

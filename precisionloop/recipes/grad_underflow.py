@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\none Adam step (lr {args.lr:g}): {lost}")
     print(_EXPLAINED.format(source=source))
     fp16 = reports["fp16"]
-    print(f"seed ({SEED['data']}): {SEED['nonzero']:,} nonzero, median {SEED['median_abs']:.2g}; "
+    print(f"the study this project grew from ({SEED['data']}, its own CNN): {SEED['nonzero']:,} nonzero, median "
+          f"{SEED['median_abs']:.2g}; "
           f"{100 * SEED['underflow']:.2f}% unscaled, {100 * SEED['underflow_scaled']:.4f}% with 65536; this run: "
           f"{100 * fp16.underflow:.2f}% and {100 * fp16.underflow_scaled:.4f}%")
     result = {"data": source, "environment": environment(trainer.device), "steps": trainer.global_step,
@@ -102,8 +103,8 @@ and divides it out in fp32 afterwards); fp8 training scales each tensor so its l
 format's largest value (torchao's tensorwise scaling), so nothing overflows. "rel. error" is the mean relative error
 of the values that survive the round trip. The last block is the share of one step's weight updates too small to
 change a bf16 weight (under half its spacing): with bf16 weights, keep an fp32 copy (precision="bf16") or round
-stochastically when this share is large. The seed's figures below come from FashionMNIST, this run's from
-{source}."""
+stochastically when this share is large. The last line compares fp16's figures with those of the study this
+project grew from: another small CNN, on FashionMNIST; this run's data: {source}."""
 
 
 def _gradient_table(trainer: Trainer, batch, scale: float) -> tuple[dict, torch.Tensor]:
