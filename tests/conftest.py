@@ -7,7 +7,7 @@ import random
 import numpy as np
 from torch.utils.data import TensorDataset
 
-from precisionloop import FP16Policy, Trainer
+from precisionloop import BF16AdamW, FP16Policy, Trainer
 
 
 def pytest_collection_modifyitems(config, items):
@@ -216,13 +216,7 @@ def _scheduled(interval, gamma=0.5):
     return Trainer(model, opt, "fp32", device="cpu", scheduler=sched, scheduler_interval=interval)
 
 
-def stochastic_adamw(params, lr=1e-2, **kw):
-    """torchao's AdamW rounding bf16 updates stochastically, the optimizer precision 'bf16-pure' asks for."""
-    optim = pytest.importorskip("torchao.optim")
-    return optim._AdamW(params, lr=lr, bf16_stochastic_round=True, **kw)
-
-
 def pure_bf16(model=None, **kw):
-    """A Trainer under precision 'bf16-pure' on ``net()`` (or ``model``) with torchao's stochastic-rounding AdamW."""
+    """A Trainer under precision 'bf16-pure' on ``net()`` (or ``model``) with BF16AdamW."""
     model = net() if model is None else model
-    return model, Trainer(model, stochastic_adamw(model.parameters()), "bf16-pure", device="cpu", **kw)
+    return model, Trainer(model, BF16AdamW(model.parameters(), lr=1e-2), "bf16-pure", **{"device": "cpu", **kw})

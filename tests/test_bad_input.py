@@ -209,7 +209,7 @@ def test_pure_bf16_refuses_an_optimizer_that_rounds_to_nearest_before_changing_a
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = params_of(model)
     with pytest.raises(ValueError, match=r"'bf16-pure'.*AdamW does not say.*bf16_stochastic_round = True.*"
-                                         r"torchao.optim._AdamW\(params, bf16_stochastic_round=True\)"):
+                                         r"precisionloop.BF16AdamW\(params\), or precision='bf16'"):
         Trainer(model, opt, "bf16-pure", device="cpu")
     assert all(p.dtype == dtype for p in model.parameters()) and same_params(model, before)
 

@@ -16,9 +16,9 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 from torch import nn
-from conftest import B, ProbeNorm, stochastic_adamw
+from conftest import B, ProbeNorm
 
-from precisionloop import BF16Policy, FP16Policy, Trainer, get_policy
+from precisionloop import BF16AdamW, BF16Policy, FP16Policy, Trainer, get_policy
 from precisionloop.keep_fp32 import entry_names, is_kept, keep_fp32_, select_modules, validate_keep_fp32, within
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
@@ -219,7 +219,7 @@ def test_pure_bf16_keeps_the_kept_modules_fp32_and_casts_the_rest_to_bf16():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Sequential(nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 3))
     policy = dataclasses.replace(get_policy("bf16-pure"), keep_fp32=(nn.LayerNorm, "2"))
-    trainer = Trainer(model, stochastic_adamw(model.parameters()), policy, device="cpu")
+    trainer = Trainer(model, BF16AdamW(model.parameters(), lr=1e-2), policy, device="cpu")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert trainer.step(B).stepped
     dtypes = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_floating_point()}

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import precisionloop
-from precisionloop import MemoryBreakdown, Trainer, memory_breakdown
+from precisionloop import BF16AdamW, MemoryBreakdown, Trainer, memory_breakdown
 
 MB = 2**20
 LINEAR_BYTES = (16 * 8 + 8) * 4  # Linear(16, 8) in fp32: 544
@@ -147,12 +147,10 @@ def test_on_cuda_the_parts_fit_in_the_peak_and_the_reserve():
 
 
 def test_pure_bf16_halves_the_parameters_and_gradients_and_keeps_bf16_adam_state():
-    optim = pytest.importorskip("torchao.optim")
-    trainer = _trainer(lambda ps: optim._AdamW(ps, lr=1e-3, bf16_stochastic_round=True), precision="bf16-pure",
-                       grad_accum_steps=2)
+    trainer = _trainer(lambda ps: BF16AdamW(ps, lr=1e-3), precision="bf16-pure", grad_accum_steps=2)
     for _ in range(3):
         trainer.step(BATCH)
-    # torchao's AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype and a float32 step per parameter.
+    # BF16AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype and a float32 step per parameter.
     bf16 = LINEAR_BYTES // 2
     assert _bytes(trainer.memory_breakdown()) == _parts(bf16, gradients=bf16, state=2 * bf16 + 2 * 4)
 

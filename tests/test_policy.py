@@ -8,10 +8,11 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from conftest import B, batches, pure_bf16, read_flags, tf32_flags, tiny_cnn, tiny_mlp, write_flags
+from conftest import B, batches, pure_bf16, read_flags, steps_without_host_sync, tf32_flags, tiny_cnn, tiny_mlp, \
+    write_flags
 
 import precisionloop
-from precisionloop import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, get_policy
+from precisionloop import BF16AdamW, BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy, Trainer, get_policy
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -322,6 +323,52 @@ def test_auto_picks_bf16_on_a_native_bf16_gpu():
     policy = get_policy("auto", "cuda")
     assert isinstance(policy, BF16Policy) and "compute capability" in policy.note
 
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # on CUDA, BF16AdamW's update is compiled
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_adamw_keeps_on_average_the_updates_that_rounding_to_nearest_loses(device):
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.ones(100_000, dtype=torch.bfloat16, device=device))
+    w.grad = torch.ones_like(w)
+    BF16AdamW([w], lr=1e-4, weight_decay=0.0).step()  # Adam's first step moves each weight by lr
+    one = torch.ones_like(w)
+    assert torch.equal(one - 1e-4, one)  # rounded to nearest, 1 - 1e-4 is 1 in bf16
+    assert 0 < (w < 1).float().mean() < 0.05  # 1e-4 is 2.6% of bf16's spacing below 1 (2**-8)
+    assert w.float().mean().item() == pytest.approx(1 - 1e-4, abs=3e-5)  # the mean's error is about 6e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_adamw_on_fp32_weights_is_torchs_adamw_under_a_grad_scaler_too(device):
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(8, 4).to(device), nn.Linear(8, 4).to(device)
+    theirs.load_state_dict(ours.state_dict())
+    optimizers = BF16AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1), \
+        torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1)
+    scalers = [torch.amp.GradScaler(device, init_scale=1024.0) for _ in optimizers]
+    for i in range(6):
+        x = torch.randn(16, 8, device=device) * (float("inf") if i == 3 else 1)  # step 3 is skipped
+        for model, optimizer, scaler in zip((ours, theirs), optimizers, scalers):
+            optimizer.zero_grad()
+            loss = model(x).square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # ours gets the scale to divide by and the inf flag; torch's unscaled gradients
+            scaler.update()
+    assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(ours.parameters(), theirs.parameters()))
+    assert [s["step"].item() for s in optimizers[0].state.values()] == [5.0, 5.0]
+
+
+@pytest.mark.gpu
+def test_pure_bf16_steps_on_cuda_without_a_host_sync_before_and_after_a_resume(tmp_path):
+    _, trainer = pure_bf16(device="cuda")
+    trainer.step(B)  # the first step compiles the update
+    assert all(r.stepped for r in steps_without_host_sync(trainer, [trainer.to_device(B)] * 3))
+    trainer.save(tmp_path / "pure.pt")
+    _, resumed = pure_bf16(device="cuda")
+    resumed.load(tmp_path / "pure.pt")
+    resumed.step(B)
+    assert all(r.stepped for r in steps_without_host_sync(resumed, [resumed.to_device(B)] * 3))
 
 def test_pure_bf16_trains_bf16_weights_and_gradients():
     model, trainer = pure_bf16()
