@@ -36,11 +36,8 @@ large GPU-bound step pays for (ResNet18's 11.7M values gain from one launch, a T
 
 
 def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Set ``found_inf`` (fp32, one element) to 1 if any gradient, all on one device and of one dtype, is not finite.
-
-    GradScaler's fused check with a scale of one (one launch, each value written back as it was) where it applies,
-    else the read-only foreach inf-norms.
-    """
+    """Set ``found_inf`` (fp32, one element) to 1 if a gradient (all of one device and dtype) is not finite:
+    GradScaler's fused unscale by one (one launch, values rewritten) where it can, else read-only foreach inf-norms."""
     grads = [g for g in grads if g.numel()]
     if not grads:
         return

@@ -118,8 +118,7 @@ def trainer_state(trainer) -> dict:
                      "collapse_warned": engine.collapse_warned, "epoch": trainer.epoch,
                      "batch_in_epoch": trainer.batch_in_epoch},
         "stats": dataclasses.asdict(engine.stats),
-        "rng": rng,
-        "rng_per_rank": _dist.gather_objects(rng) if trainer.distributed else None,
+        "rng": rng, "rng_per_rank": _dist.gather_objects(rng) if trainer.distributed else None,
         "rng_epoch_start": trainer._rng_epoch_start,
     }
 
@@ -146,10 +145,9 @@ def load_state(trainer, state: dict, source: str) -> None:
     if problems:
         raise ValueError(f"{source} does not fit this Trainer: {'; '.join(problems[:5])}; nothing was loaded")
     if state["precision"] != trainer.policy.name:
+        scale = "; the loss scale does not carry over" if state["scaler"] or trainer.scaler is not None else ""
         warnings.warn(f"{source} was saved under precision {state['precision']!r} and is loaded under "
-                      f"{trainer.policy.name!r}" + ("; the loss scale does not carry over" if state["scaler"] or
-                                                   trainer.scaler is not None else ""),
-                      UserWarning, stacklevel=_compat.stacklevel_outside_package())
+                      f"{trainer.policy.name!r}{scale}", UserWarning, stacklevel=_compat.stacklevel_outside_package())
     _restore(trainer, state)
 
 
@@ -186,9 +184,8 @@ def _model_problems(model: nn.Module, saved: dict) -> list[str]:
 
 
 def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed: str | None) -> tuple[dict, dict]:
-    """The model's and optimizer's state by parameter name, unsharded under FSDP2."""
-    # torch.distributed.checkpoint gives that layout, but would start an empty optimizer with a zero-lr step (Adam's
-    # step count changes): that one is written here.
+    """The model's and optimizer's state by parameter name, unsharded under FSDP2, as torch.distributed.checkpoint
+    gives it; an empty optimizer's is written here (that would start it with a zero-lr step, changing Adam's count)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     full = distributed == "fsdp"

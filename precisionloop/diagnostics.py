@@ -28,9 +28,8 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _scaled(x: torch.Tensor, dtype: torch.dtype, scale: float | str) -> torch.Tensor:
-    """``x`` (fp32) times ``scale``; ``"tensorwise"``/``"rowwise"`` is torchao's amax scaling: the largest magnitude
-    (of the tensor, or of each row along the last dimension, rowwise scales rounded down to a power of two as
-    torchao's rowwise recipe does) maps to the format's largest finite value, and the result saturates there."""
+    """``x`` (fp32) times ``scale``, or torchao's amax scaling: the largest magnitude of the tensor or of each row
+    (rowwise factors rounded down to a power of two) maps to the format's largest finite value, saturating there."""
     if not isinstance(scale, str):
         return x * scale
     limit = torch.finfo(dtype).max
@@ -129,16 +128,12 @@ def _check_format(dtype: Any, scale: Any) -> None:
         raise ValueError(f"scale must be a finite number > 0, 'tensorwise' or 'rowwise', got {scale!r}")
 
 
-def gradient_underflow(
-    model: nn.Module | Iterable[tuple[str, torch.Tensor]],
-    dtype: torch.dtype = torch.float16,
-    scale: float | str | torch.Tensor = 65536.0,
-) -> UnderflowReport:
+def gradient_underflow(model: nn.Module | Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.float16,
+                       scale: float | str | torch.Tensor = 65536.0) -> UnderflowReport:
     """Count what casting the current gradients to ``dtype`` does, unscaled and scaled.
 
-    A nonzero value underflows when its cast is exactly 0, and overflows when its cast is inf (past the largest finite
-    value, for a format without inf such as e4m3): the real cast on the gradients' device, not a threshold. The
-    counts reach the host in one transfer.
+    A nonzero value underflows when its cast is exactly 0 and overflows when it is inf (past the largest finite value,
+    for a format without inf such as e4m3): the real cast on the gradients' device, counted in one transfer to the host.
 
     Args:
         model: a module with ``.grad`` filled, or ``(name, gradient)`` pairs.
@@ -178,10 +173,8 @@ def gradient_underflow(
 
 
 def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dict:
-    """The headline numbers of :func:`gradient_underflow`, which ``fit(underflow_every=N)`` keeps.
-
-    All-zero or absent gradients give ``nonzero`` 0 and fractions None.
-    """
+    """The headline numbers of :func:`gradient_underflow`, which ``fit(underflow_every=N)`` keeps; all-zero or absent
+    gradients give ``nonzero`` 0 and fractions None."""
     record = {"dtype": _name(dtype), "scale": float(scale), "nonzero": 0,
               "median_abs": None, "underflow": None, "underflow_scaled": None}
     nonzero = [p.grad.ne(0).any() for p in model.parameters() if p.grad is not None]
@@ -219,16 +212,14 @@ class PrecisionReport:
 
 
 def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = FORMATS) -> PrecisionReport:
-    """What each format would do to every ``nn.Linear`` and convolution's inputs, weights and output gradients (what
-    fp8 training casts), from one forward and backward of ``batch`` through ``trainer`` (its ``compute_loss``, under
-    its policy). fp8 formats are scaled tensorwise, as torchao's default recipe does; 16-bit ones are cast as they
-    are. The values are those the Trainer's policy computes: under bf16 autocast the outputs, and so their gradients,
-    are bf16 already (an fp32 Trainer shows every format from fp32). Nothing changes: weights, optimizer state,
-    counters, gradients, buffers (batch-norm statistics), each module's train or eval mode, RNG state.
+    """What each format would do to every ``nn.Linear`` and convolution's inputs, weights and output gradients, from
+    one forward and backward of ``batch`` through ``trainer``'s ``compute_loss`` under its policy: under bf16 autocast
+    the outputs and their gradients are bf16 already (an fp32 Trainer shows every format from fp32). fp8 formats are
+    scaled tensorwise, as torchao's default recipe does; 16-bit ones are cast as they are. Nothing changes: weights,
+    optimizer state, counters, gradients, buffers, each module's train or eval mode, RNG state.
 
     Raises:
-        ValueError: a compiled or distributed Trainer (hooks need the eager single-process model), or a format that
-            is not a floating-point torch dtype narrower than float64.
+        ValueError: a compiled or distributed Trainer, or a format not a floating-point torch dtype below float64.
     """
     if trainer.compile_mode is not None or trainer.distributed:
         raise ValueError("precision_report hooks every layer, which needs an eager single-process Trainer: build one "

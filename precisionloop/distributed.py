@@ -44,8 +44,7 @@ def resolve(mode: str | None, device: str | torch.device | None) -> tuple[str | 
         raise ValueError(f"distributed must be 'auto', 'ddp', 'fsdp' or None; got {mode!r}")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if mode == "auto":
-        several = int(os.environ.get("WORLD_SIZE", "1")) > 1 or world_size() > 1
-        mode = "ddp" if several else None
+        mode = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 or world_size() > 1 else None  # several processes
     if mode is None:
         return None, device
     if not _initialised() and not launched:
@@ -75,8 +74,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def wrap(model: nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.device,
          optimizer: torch.optim.Optimizer) -> nn.Module:
-    """DDP-wrap or FSDP2-shard ``model``; under FSDP2 ``optimizer`` is repointed at the sharded parameters by name
-    (a ValueError if it has state, or a fused kernel FSDP2 cannot take)."""
+    """DDP-wrap or FSDP2-shard ``model``; under FSDP2 ``optimizer`` is repointed at the sharded parameters by name."""
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if optimizer.state:

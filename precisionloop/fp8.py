@@ -1,8 +1,7 @@
 """fp8 training through torchao's float8 (an optional dependency, imported only when a policy needs it).
 
 torchao's ``Float8Linear`` keeps ``nn.Linear``'s ``weight`` and ``bias`` names, so checkpoints move between fp8 and
-bf16 or fp32. Under FSDP2 the converted layers all-gather their weights in bf16 and cast them to fp8 locally.
-"""
+bf16 or fp32. Under FSDP2 the converted layers all-gather their weights in bf16 and cast them to fp8 locally."""
 
 from __future__ import annotations
 
@@ -150,9 +149,8 @@ class FP8Policy(BF16Policy):
         check_device(next((p.device for p in model.parameters()), torch.device("cpu")), self.emulate)
         model = super().prepare_model(model)
         planned = set(self._planned(model))
-        # Inner dimensions (token counts) that are not multiples of 16 are padded rather than refused.
         config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate,
-                                     pad_inner_dim=True)
+                                     pad_inner_dim=True)  # token counts not multiples of 16: padded, not refused
         log.info("fp8: %d nn.Linear layer(s) converted (%s recipe)", len(planned), self.recipe)
         return float8.convert_to_float8_training(model, module_filter_fn=lambda _, name: name in planned, config=config)
 

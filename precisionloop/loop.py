@@ -78,8 +78,7 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
         underflow_every: int | None, loggers) -> list[dict]:
     """:meth:`Trainer.fit`'s body; see its docstring."""
     check_loader("train_loader", train_loader)
-    if val_loader is not None:
-        check_loader("val_loader", val_loader)
+    check_loader("val_loader", val_loader)
     if metrics and val_loader is None:
         raise ValueError("metrics are computed on val_loader: pass val_loader too")
     plateau = isinstance(trainer.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -123,11 +122,8 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
 
 
 def _start_epoch(trainer, loader: Iterable) -> Any:
-    """An iterator over this epoch's batches, past those already trained.
-
-    An epoch begun before replays the shuffle it drew from its starting RNG state (the global RNGs and the
-    loader's own generators), then puts the RNG back as it is now.
-    """
+    """An iterator over this epoch's batches, past those already trained. An epoch begun before replays the shuffle
+    it drew from its starting RNG state (the global RNGs, the loader's generators), then puts the RNG back."""
     generators = _generators_of(loader)
     if trainer._rng_epoch_start is None:  # samplers draw their seeds from these when the iterator is made
         trainer.batch_in_epoch = 0
@@ -163,7 +159,6 @@ def _generators_of(loader: Iterable) -> list[torch.Generator]:
 
 class _Epoch:
     """One epoch of ``fit``: the losses summed on the device (no sync per step), the time spent waiting for input.
-
     An exception escaping before an accumulation's optimizer step drops its gradients and puts ``batch_in_epoch``
     (and, when accumulating, the RNG state) back to its first batch: the next ``fit`` replays it."""
 
@@ -227,13 +222,15 @@ class _Epoch:
             self.count, self.samples = self.count + 1, self.samples + batch_size(batch)
             bar.update(1)
             if self.count % self.options["log_every"] == 0 and self.options["progress"]:
-                bar.set_postfix(_postfix(engine, self.data_s / (time.perf_counter() - self.start)), refresh=False)
+                scale = {} if engine.stats.scale is None else {"scale": f"{engine.stats.scale:g}"}
+                loss = f"{engine.last_loss:.4g}" if engine.last_loss is not None else "-"
+                bar.set_postfix({"loss": loss, "skipped": engine.stats.skipped, **scale,
+                                 "data": f"{self.data_s / (time.perf_counter() - self.start):.0%}"}, refresh=False)
             if self._after(result):
                 return self.total is not None and trainer.batch_in_epoch >= self.total
 
     def _attempt(self, call, *args):
-        """``call(*args)``; once its optimizer step ran there is nothing to rewind, even if it raised after (the skip
-        limit), when its batch counts as used."""
+        """``call(*args)``; once its optimizer step ran nothing is rewound and its batch is used, even if it raised."""
         steps = self.engine.global_step
         try:
             return call(*args)
@@ -254,8 +251,12 @@ class _Epoch:
         if not result._optimizer_step:
             return False
         if options["loggers"] and trainer.global_step % options["log_every"] == 0 and _dist.is_main():
-            now = time.perf_counter()
-            _log_step(trainer, options["loggers"], (self.samples - self.logged_samples) / max(now - self.logged_at, 1e-9))
+            now, stats = time.perf_counter(), self.engine.stats  # the last counted step's, on the host: no sync
+            rate = (self.samples - self.logged_samples) / max(now - self.logged_at, 1e-9)
+            metrics = {"loss": self.engine.last_loss, "lr": trainer.optimizer.param_groups[0]["lr"],
+                       "skipped": stats.skipped, "samples_per_s": rate, "loss_scale": stats.scale}
+            for logger in options["loggers"]:
+                logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, stats.steps)
             self.logged_at, self.logged_samples = now, self.samples
         if options["checkpoints"] is not None and trainer.global_step % options["checkpoints"].every == 0:
             options["checkpoints"].save(trainer)
@@ -288,24 +289,8 @@ class _Epoch:
         }
 
 
-def _log_step(trainer, loggers, samples_per_s: float) -> None:
-    """The last counted step's values, already on the host: the loggers cost no sync."""
-    engine = trainer._engine
-    metrics = {"loss": engine.last_loss, "lr": trainer.optimizer.param_groups[0]["lr"],
-               "skipped": engine.stats.skipped, "samples_per_s": samples_per_s, "loss_scale": engine.stats.scale}
-    for logger in loggers:
-        logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, engine.stats.steps)
-
-
-def _postfix(engine, data_fraction: float) -> dict:
-    scale = {} if engine.stats.scale is None else {"scale": f"{engine.stats.scale:g}"}
-    return {"loss": f"{engine.last_loss:.4g}" if engine.last_loss is not None else "-", "skipped": engine.stats.skipped,
-            **scale, "data": f"{data_fraction:.0%}"}
-
-
 def _underflow_probe(trainer, every: int):
-    """Every ``every`` optimizer steps, gradient underflow on the unscaled gradients and then the share of the step's
-    updates bf16 weights would lose, into ``underflow_history``."""
+    """Every ``every`` optimizer steps, the unscaled gradients' underflow, then the updates bf16 weights would lose."""
     def probe(step: int):
         if step % every:
             return None

@@ -12,11 +12,9 @@ from typing import Callable, ContextManager, Iterable, Mapping
 
 import torch
 
-__all__ = [
-    "NOISY_SPREAD", "METHODS", "Run", "Measurement", "time_steps", "time_block", "reset_memory", "peak_mb",
-    "interleaved", "choose_method", "paired_ratio", "format_time", "format_ratio",
-    "format_memory", "noisy_legend",
-]
+__all__ = ["NOISY_SPREAD", "METHODS", "Run", "Measurement", "time_steps", "time_block", "reset_memory", "peak_mb",
+           "interleaved", "choose_method", "paired_ratio", "format_time", "format_ratio", "format_memory",
+           "noisy_legend"]
 
 NOISY_SPREAD = 0.10  # a measurement whose (max - min) / median over rounds exceeds this is flagged as noisy
 METHODS = ("pipelined", "alternating", "alone")  # interleaved(pipelined=True), (blocks > 1), or neither
@@ -53,14 +51,8 @@ class Measurement:
                          doc="The median of the rounds' figures.")
     min_ms = property(lambda self: min(self.rounds_ms) if self.rounds_ms else None)
     max_ms = property(lambda self: max(self.rounds_ms) if self.rounds_ms else None)
-
-    @property
-    def spread(self) -> float | None:  # (max - min) / median
-        return (self.max_ms - self.min_ms) / self.median_ms if self.median_ms else None
-
-    @property
-    def noisy(self) -> bool:
-        return self.spread is not None and self.spread > NOISY_SPREAD
+    spread = property(lambda self: (self.max_ms - self.min_ms) / self.median_ms if self.median_ms else None)
+    noisy = property(lambda self: self.spread is not None and self.spread > NOISY_SPREAD)
 
     def to_dict(self) -> dict:  # JSON-ready, the derived figures included
         return {**dataclasses.asdict(self), "median_ms": self.median_ms, "min_ms": self.min_ms,
@@ -110,8 +102,7 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
 
 def time_block(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
                timer: Callable[[], float] = time.perf_counter) -> float:
-    """``warmup`` untimed steps, then ``iters`` back to back, one sync at the end (a training loop's steady state):
-    the block's ms over ``iters``."""
+    """``warmup`` untimed steps, then ``iters`` back to back with one sync at the end: the block's ms over ``iters``."""
     _warm_up(step, warmup, device)
     _sync(device)
     start = timer()
@@ -153,8 +144,7 @@ def _run_alone(factory: Callable, iters: int, warmup: int, device: torch.device,
                 if pipelined:
                     ms = time_block(run.step, iters=iters, warmup=warmup, device=device, timer=timer)
                 else:
-                    ms = statistics.median(time_steps(run.step, iters=iters, warmup=warmup, device=device,
-                                                      timer=timer))
+                    ms = statistics.median(time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer))
         finally:
             if run.teardown is not None:
                 run.teardown()

@@ -72,9 +72,8 @@ class PrecisionPolicy:
 
     def memory_format(self, model: nn.Module) -> torch.memory_format:
         """The layout for this model's 4-D weights and 4-D floating-point inputs."""
-        if self.channels_last is False or not any(isinstance(m, nn.Conv2d) for m in model.modules()):
-            return torch.contiguous_format
-        if self.channels_last or any(p.is_cuda for p in model.parameters()):
+        conv = self.channels_last is not False and any(isinstance(m, nn.Conv2d) for m in model.modules())
+        if conv and (self.channels_last or any(p.is_cuda for p in model.parameters())):
             return torch.channels_last
         return torch.contiguous_format
 
@@ -230,8 +229,7 @@ def warn_overridden_flags(policy: PrecisionPolicy) -> None:
 
 
 def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse a precision the device cannot run natively; warn for fp16 on the CPU and bf16 on a CPU without native
-    bf16 (correct, but slower than fp32)."""
+    """Refuse a precision the device cannot run natively; warn where a CPU runs it slower than fp32 (fp16, bf16)."""
     if dtype == torch.float32:
         return
     if not torch.amp.is_autocast_available(device.type):

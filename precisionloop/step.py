@@ -143,9 +143,8 @@ def _step_on_host(optimizer: torch.optim.Optimizer, step: Callable[[], None]) ->
 
 
 class _Guard:
-    """What stands between a backward and the optimizer step, the same calls under every precision: loss scaling
-    through the policy's ``GradScaler`` when it makes one, and in any case a step whose gradients hold an inf or
-    NaN is skipped. Without a scaler, ``all_reduce_max`` makes every rank skip together."""
+    """Between backward and the optimizer step under every precision: loss scaling if the policy makes a ``GradScaler``,
+    and a step with inf/NaN gradients skipped (by every rank, via ``all_reduce_max``, without a scaler)."""
 
     def __init__(self, scaler: torch.amp.GradScaler | None, all_reduce_max: Callable[[torch.Tensor], Any] | None):
         self.scaler, self.all_reduce_max, self._first = scaler, all_reduce_max, _FusedSGDFirstStep()
@@ -177,8 +176,6 @@ class _Guard:
             _compat.step_skipping_on_device(optimizer, found_inf)
         elif not found_inf.item():  # the one host sync (a scaler still backs off in update())
             _step_on_host(optimizer, optimizer.step if self.scaler is None else lambda: self.scaler.step(optimizer))
-
-    def update(self) -> None:
         if self.scaler is not None:
             self.scaler.update()
 
@@ -203,9 +200,8 @@ def make_guard(scaler: torch.amp.GradScaler | None, distributed: str | None, dev
 
 
 def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
-    """Switch a torch SGD, Adam or AdamW on CUDA left at its default implementation to its fused one, which takes
-    the inf/NaN flag as a device tensor (no host sync); the algorithm is the same. A group that chose its own
-    implementation, an optimizer with state, non-float parameters and sparse embeddings are left alone."""
+    """Switch a torch SGD, Adam or AdamW on CUDA left at its default implementation, without state, to its fused one
+    (the same algorithm, taking the inf/NaN flag as a device tensor: no host sync); whether it did."""
     groups = optimizer.param_groups
     if (type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or optimizer.state
             or any(g.get("fused") is not None or g.get("foreach") or g.get("capturable") or g.get("differentiable")
@@ -218,9 +214,8 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -
 
 
 class _Outcome:
-    """A step's found inf, loss and scale (and per-parameter flags, with their names) on their way to the host: on CUDA
-    one row (which also keeps the loss from the next CUDA-graph replay), copied without blocking, an event after it;
-    elsewhere the tensors, read at once."""
+    """A step's found inf, loss, scale (and named per-parameter flags) on their way to the host: on CUDA one row (safe
+    from the next CUDA-graph replay) copied without blocking, an event after it; elsewhere the tensors, read at once."""
 
     __slots__ = ("found_inf", "loss", "scale", "values", "event", "names", "flags")
 
@@ -256,9 +251,8 @@ class _Outcome:
 
 
 class StepEngine:
-    """Accumulation, the guarded optimizer step, clipping, counting outcomes and the skip limit. ``probe`` is called
-    with the step's number between unscaling and clipping (``fit``'s underflow figures); what it returns, if not
-    None, is called after the optimizer step."""
+    """Accumulation, the guarded optimizer step, clipping, counting outcomes, the skip limit. ``probe(step)`` runs
+    between unscaling and clipping (``fit``'s underflow figures); what it returns, if not None, after the step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: _Guard, *,
                  autocast: Callable[[], Any], compile_mode: str | None, compute_loss: Callable[[Any], Any],
@@ -295,8 +289,7 @@ class StepEngine:
             raise
 
     def _step(self, batch: Any) -> StepResult:
-        syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next
-        # No gradient all-reduce on micro-batches that do not step.
+        syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next  # else no gradient all-reduce
         with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
             with self.autocast():
                 loss = self.compute_loss(batch)
@@ -346,8 +339,7 @@ class StepEngine:
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         outcome = None
         try:
-            self.guard.step(self.optimizer, found_inf)
-            self.guard.update()
+            self.guard.step(self.optimizer, found_inf)  # and the scaler's update
             outcome = _Outcome(found_inf, loss, self.guard.scale_tensor(), names, flags)
             self._pending.append(outcome)
         finally:  # the weights may have changed: the step counts, whatever was raised

@@ -27,16 +27,14 @@ class Trainer:
 
     Args:
         model: the model; it is moved to ``device`` and readied by the policy (layout, ``keep_fp32``).
-        optimizer: an optimizer over exactly the model's trainable parameters. On CUDA a torch SGD, Adam or AdamW
-            at its default implementation runs its fused one (same algorithm, no host sync per step); build it with
-            ``fused=False`` to keep it as it is.
+        optimizer: an optimizer over exactly the model's trainable parameters. On CUDA a torch SGD, Adam or AdamW at its
+            default implementation runs fused (same algorithm, no host sync per step) unless built with ``fused=False``.
         precision: a spec for :func:`precisionloop.get_policy` (``"bf16"``, ``"fp16"``, ...) or a policy instance.
         device: where to train; the current CUDA device when there is one, else the CPU.
         loss_fn: ``loss_fn(outputs, targets)``; ``torch.nn.functional.cross_entropy`` by default.
         scheduler: an LR scheduler built on ``optimizer``.
-        scheduler_interval: ``"step"``: after every optimizer step taken (skipped ones do not count); ``"epoch"``: at
-            the end of each epoch of ``fit``. Required with a scheduler, but a ``ReduceLROnPlateau``, which ``fit``
-            steps with ``val_loss`` at each epoch's end.
+        scheduler_interval: ``"step"``: after each optimizer step taken, not skipped; ``"epoch"``: at each epoch's end
+            of ``fit``. Required with a scheduler but a ``ReduceLROnPlateau``, which ``fit`` steps with ``val_loss``.
         grad_accum_steps: micro-batches per optimizer step.
         max_grad_norm: clip the unscaled gradients to this total norm.
         max_consecutive_skips: raise after this many skipped steps in a row (on CUDA up to two steps late).
@@ -74,7 +72,9 @@ class Trainer:
         policy.check_weights(model, optimizer)
         if self.device.type == "cuda":
             warn_overridden_flags(policy)
-        self.compile_mode = _compile_mode(compile, self.device)
+        if compile is True:  # CUDA graphs on CUDA; torch refuses an unknown mode
+            compile = "reduce-overhead" if self.device.type == "cuda" else "default"
+        self.compile_mode = None if compile is False else compile
         policy.check_compile(self.compile_mode, self.device.type)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.scheduler_interval = "epoch" if plateau else scheduler_interval
@@ -123,8 +123,7 @@ class Trainer:
         return self.model(inputs), targets
 
     def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch, under autocast; override it for other losses, or to return a loss the model
-        computes itself."""
+        """The loss of one micro-batch, under autocast; override it for another loss, or to return the model's own."""
         outputs, targets = self.forward_batch(batch)
         if not isinstance(outputs, torch.Tensor) and self.loss_fn is nn.functional.cross_entropy:
             raise RefusedLoss(f"the model returned a {type(outputs).__name__}, and the default loss takes a tensor of "
@@ -153,10 +152,8 @@ class Trainer:
             return self._engine.step(self.to_device(batch))
 
     def flush(self) -> StepResult | None:
-        """Take the optimizer step for an open accumulation, its gradients averaged; None if none is open.
-
-        The result's ``loss`` is NaN. As with ``step``, an exception discards the accumulation.
-        """
+        """Take the optimizer step for an open accumulation, its gradients averaged; None if none is open. The result's
+        ``loss`` is NaN. As with ``step``, an exception discards the accumulation."""
         with self.policy.backend_flags(self.device.type):
             return self._engine.flush()
 
@@ -202,8 +199,7 @@ class Trainer:
             progress: a tqdm bar per epoch, with the loss and the share of time spent waiting for input.
             callbacks: objects with ``on_step_end(trainer, result)`` and/or ``on_epoch_end(trainer, record)``.
             checkpoints: periodic checkpoints, :class:`precisionloop.Checkpoints`.
-            log_every: write to the loggers every this many optimizer steps, and refresh the bar every this many
-                micro-batches.
+            log_every: log every this many optimizer steps; refresh the bar every this many micro-batches.
             underflow_every: measure gradient underflow every this many optimizer steps (:mod:`precisionloop.diagnostics`).
             loggers: :mod:`precisionloop.loggers` or objects with ``log_metrics(metrics, step)``, also at epoch ends.
 
@@ -301,12 +297,6 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, i
     if missing or foreign:
         raise ValueError("the optimizer must hold exactly the model's trainable parameters; "
                          + (f"it lacks {', '.join(missing[:5])}" if missing else f"it holds {len(foreign)} other tensors"))
-
-
-def _compile_mode(compile: bool | str, device: torch.device) -> str | None:
-    """``compile=`` as a torch.compile mode (torch refuses an unknown one); ``True``: CUDA graphs on CUDA."""
-    return None if compile is False else ("reduce-overhead" if device.type == "cuda" else "default") if compile is True \
-        else compile
 
 
 def autotune(model: nn.Module, optimizer_factory: Callable, sample_batch: Any, **options: Any) -> tuning.AutotuneResult:

@@ -135,8 +135,7 @@ def tune(trainer_cls: type, model: nn.Module, make_optimizer: _OptimizerFactory,
 
 def _trial(trainer_cls: type, candidate: Candidate, model: nn.Module, make_optimizer: _OptimizerFactory, batch: Any,
            options: dict) -> tuple[Callable[[], measure.Run], dict]:
-    """A factory for :func:`measure.interleaved` (a fresh Trainer each round), and what it saw: the first round's
-    losses and the most steps a round skipped."""
+    """A factory of fresh Trainers for :func:`measure.interleaved`, and what they saw: first-round losses, max skips."""
     seen = {"losses": None, "skipped": 0}
 
     def build() -> measure.Run:
@@ -189,10 +188,8 @@ def _choose(accepted: list[CandidateResult], model: nn.Module, device: torch.dev
 
 
 def optimizer_like(optimizer: torch.optim.Optimizer, model: nn.Module) -> _OptimizerFactory:
-    """A factory of fresh optimizers of ``optimizer``'s class and per-group settings, for a copy of ``model``.
-
-    The copy's parameters are matched to the groups by their position in ``model.parameters()``.
-    """
+    """A factory of fresh optimizers of ``optimizer``'s class and per-group settings for a copy of ``model``, whose
+    parameters are matched to the groups by their position in ``model.parameters()``."""
     position = {id(p): i for i, p in enumerate(model.parameters())}
     groups = [({k: v for k, v in g.items() if k != "params"}, [position[id(p)] for p in g["params"]])
               for g in optimizer.param_groups]
