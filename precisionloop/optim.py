@@ -43,10 +43,8 @@ class BF16AdamW(torch.optim.Optimizer):
     the odds of its distance to each, it keeps them on average. The moments are kept in the parameter's dtype
     and rounded the same way; an fp32 parameter (a ``keep_fp32`` module's) is updated in fp32. On CUDA the update
     of a parameter group is one compiled function, compiled on the first step. Like torch's fused optimizers it
-    takes the inf/NaN flag as a tensor, so the Trainer skips a step without a host sync.
-
-    Args:
-        params, lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`'s.
+    takes the inf/NaN flag as a tensor, so the Trainer skips a step without a host sync. ``params``, ``lr``,
+    ``betas``, ``eps`` and ``weight_decay`` are :class:`torch.optim.AdamW`'s.
     """
 
     bf16_stochastic_round = True  # what precision "bf16-pure" asks of an optimizer
