@@ -16,24 +16,26 @@ def _round(x: torch.Tensor) -> torch.Tensor:
 
 def _update(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf):
     """One AdamW update of each parameter in fp32, a bf16 weight and its moments stored stochastically rounded;
-    none at all where ``found_inf`` is 1. ``grad_scale`` divides the gradients (GradScaler's contract)."""
+    none at all where ``found_inf`` is nonzero. ``grad_scale`` divides the gradients (GradScaler's contract)."""
+    skip = None if found_inf is None else found_inf > 0  # GradScaler sums the flags of several devices
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-        step.add_(1 if found_inf is None else 1 - found_inf)
+        step.add_(1 if skip is None else (~skip).float())
         g = g.float() if grad_scale is None else g.float() / grad_scale
         m32 = m.float().lerp(g, 1 - beta1)
-        v32 = v.float().mul(beta2).addcmul(g, g, value=1 - beta2)
+        v32 = v.float().lerp(g * g, 1 - beta2)
         denom = v32.sqrt() / (1 - beta2**step).sqrt() + eps
         p32 = p.float() * (1 - lr * weight_decay) - lr / (1 - beta1**step) * m32 / denom
         for t, t32 in ((p, p32), (m, m32), (v, v32)):
             new = _round(t32) if t.dtype == torch.bfloat16 else t32
-            t.copy_(new if found_inf is None else torch.where(found_inf > 0, t, new))
+            t.copy_(new if skip is None else torch.where(skip, t, new))
 
 
 @functools.cache
 def _compiled_update():
     """``_update`` as one graph for all the parameters (eager, each one's update is about twenty kernel launches);
-    made on first use, so that importing precisionloop does not load torch.compile."""
-    return torch.compile(_update, fullgraph=True, dynamic=False)
+    made on first use, so that importing precisionloop does not load torch.compile. torch.compile keeps a graph
+    per set of shapes up to its recompile limit (8); past it, an update runs eagerly, slower."""
+    return torch.compile(_update, dynamic=False)
 
 
 class BF16AdamW(torch.optim.Optimizer):
@@ -61,7 +63,8 @@ class BF16AdamW(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
                 if not self.state[p]:
-                    self.state[p] = {"step": torch.zeros((), device=p.device), "exp_avg": torch.zeros_like(p),
+                    self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                     "exp_avg": torch.zeros_like(p),
                                      "exp_avg_sq": torch.zeros_like(p)}
             if not params:
                 continue
@@ -70,11 +73,12 @@ class BF16AdamW(torch.optim.Optimizer):
             if hasattr(params[0], "to_local"):  # FSDP2: the update is elementwise, so each rank updates its shard
                 tensors = [[t.to_local() for t in ts] for ts in tensors]
             update = _compiled_update() if params[0].is_cuda else _update
-            # The lr and the steps as tensors on the device: a new value is an input, not a recompile or a copy
-            # from the host (torch.full passes it to its kernel).
-            lr = torch.full((), group["lr"], device=params[0].device)
-            update(*tensors, [s["step"] for s in states], lr, *group["betas"], group["eps"], group["weight_decay"],
-                   getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+            # The hyperparameters as fp32 tensors on the device: a new value (a scheduler's lr or momentum) is an
+            # input, not a recompile, and no copy from the host (torch.full passes it to its kernel).
+            hyper = [torch.full((), float(v), dtype=torch.float32, device=params[0].device)
+                     for v in (group["lr"], *group["betas"], group["eps"], group["weight_decay"])]
+            update(*tensors, [s["step"] for s in states], *hyper, getattr(self, "grad_scale", None),
+                   getattr(self, "found_inf", None))
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -357,6 +357,34 @@ def test_bf16_adamw_on_fp32_weights_is_torchs_adamw_under_a_grad_scaler_too(devi
             scaler.update()
     assert all(torch.allclose(p, q, atol=1e-6) for p, q in zip(ours.parameters(), theirs.parameters()))
     assert [s["step"].item() for s in optimizers[0].state.values()] == [5.0, 5.0]
+    before = [p.detach().clone() for p in ours.parameters()]
+    optimizers[0].found_inf, optimizers[0].grad_scale = torch.tensor(2.0, device=device), None  # two devices' flags
+    optimizers[0].step()
+    assert all(torch.equal(p, b) for p, b in zip(ours.parameters(), before))
+    assert [s["step"].item() for s in optimizers[0].state.values()] == [5.0, 5.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_adamw_follows_a_scheduler_that_moves_lr_and_momentum_under_a_bf16_default_dtype(device):
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(4, 1).to(device), nn.Linear(4, 1).to(device)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(8, 4, device=device)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # a float32 step counter stays exact past bf16's 256
+    try:
+        optimizers = BF16AdamW(ours.parameters(), lr=1e-3, weight_decay=0.0), \
+            torch.optim.AdamW(theirs.parameters(), lr=1e-3, weight_decay=0.0)
+        schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=600) for o in optimizers]
+        for _ in range(400):  # OneCycleLR moves the betas too, every step
+            for model, optimizer, scheduler in zip((ours, theirs), optimizers, schedulers):
+                optimizer.zero_grad()
+                model(x).square().mean().backward()
+                optimizer.step()
+                scheduler.step()
+    finally:
+        torch.set_default_dtype(default)
+    assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(ours.parameters(), theirs.parameters()))
 
 
 @pytest.mark.gpu
@@ -369,6 +397,7 @@ def test_pure_bf16_steps_on_cuda_without_a_host_sync_before_and_after_a_resume(t
     resumed.load(tmp_path / "pure.pt")
     resumed.step(B)
     assert all(r.stepped for r in steps_without_host_sync(resumed, [resumed.to_device(B)] * 3))
+
 
 def test_pure_bf16_trains_bf16_weights_and_gradients():
     model, trainer = pure_bf16()
