@@ -12,7 +12,7 @@ from conftest import batches, tiny_cnn, tiny_mlp
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from precisionloop import BF16Policy, FP16Policy, Trainer
+from precisionloop import BF16AdamW, BF16Policy, FP16Policy, Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 WORLD = 2
@@ -56,6 +56,11 @@ def _optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
+# (precision, micro-batches, optimizer): BF16AdamW on fp32 weights rounds nothing, so it compares exactly
+CASES = (("fp32", 1, _optimizer), ("bf16", 1, _optimizer), ("fp32", 2, _optimizer),
+         ("fp32", 1, lambda model: BF16AdamW(model.parameters(), lr=1e-2)))
+
+
 def _local(batch, rank):
     x, y = batch
     n = x.shape[0] // WORLD
@@ -67,9 +72,9 @@ def _local(batch, rank):
 
 def equals_single(rank, out_dir):
     for mode in ("ddp", "fsdp"):
-        for precision, accum in (("fp32", 1), ("bf16", 1), ("fp32", 2)):
+        for case, (precision, accum, optimizer) in enumerate(CASES):
             model = tiny_mlp()
-            trainer = Trainer(model, _optimizer(model), precision, device="cpu", distributed=mode, grad_accum_steps=accum)
+            trainer = Trainer(model, optimizer(model), precision, device="cpu", distributed=mode, grad_accum_steps=accum)
             for batch in batches(4, batch_size=8):
                 x, y = _local(batch, rank)
                 for i in range(accum):  # micro-batches of the local share
@@ -77,7 +82,7 @@ def equals_single(rank, out_dir):
                     trainer.step((x[i * k:(i + 1) * k], y[i * k:(i + 1) * k]))
             params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in trainer.model.parameters()]
             if rank == 0:
-                torch.save(params, os.path.join(out_dir, f"{mode}-{precision}-{accum}.pt"))
+                torch.save(params, os.path.join(out_dir, f"{mode}-{case}.pt"))
     # A conv net with BatchNorm under FSDP2 bf16: norms keep fp32 parameters beside their fp32 statistics.
     cnn = tiny_cnn()
     policy = BF16Policy(channels_last=True)  # FSDP2 needs contiguous parameters: inputs alone go channels_last
@@ -197,15 +202,15 @@ SCENARIOS = {f.__name__: f for f in (equals_single, inf_on_one_rank, checkpoint_
 def test_training_equals_one_process_on_the_whole_batch(tmp_path):
     run("equals_single", tmp_path)
     for mode in ("ddp", "fsdp"):
-        for precision, accum in (("fp32", 1), ("bf16", 1), ("fp32", 2)):
+        for case, (precision, accum, optimizer) in enumerate(CASES):
             model = tiny_mlp()
-            trainer = Trainer(model, _optimizer(model), precision, device="cpu", distributed=None)
+            trainer = Trainer(model, optimizer(model), precision, device="cpu", distributed=None)
             for batch in batches(4, batch_size=8):
                 trainer.step(batch)
             tol = dict(atol=1e-5, rtol=1e-4) if precision == "fp32" else dict(atol=2e-2, rtol=2e-2)
-            got = torch.load(tmp_path / f"{mode}-{precision}-{accum}.pt")
+            got = torch.load(tmp_path / f"{mode}-{case}.pt")
             for p, q in zip(model.parameters(), got):
-                torch.testing.assert_close(p.detach(), q, **tol, msg=f"{mode} {precision} accum {accum}")
+                torch.testing.assert_close(p.detach(), q, **tol, msg=f"{mode} case {case}")
 
 
 def test_fsdp_shards_on_the_trainers_device_not_the_machines_accelerator(tmp_path):
