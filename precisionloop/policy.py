@@ -242,7 +242,7 @@ def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -
         warnings.warn("fp16 autocast on the CPU is supported but very slow (tens of times slower than fp32); consider "
                       f"precision={'bf16' if native else 'fp32'!r}", UserWarning, stacklevel=_compat.stacklevel_outside_package())
     elif not native:  # what a script swapped to precision="bf16" meets on most laptops
-        warnings.warn(f"precision {name!r}: this CPU has no native bf16, so its autocast runs emulated, several times "
+        warnings.warn(f"precision {name!r}: this CPU has no native bf16, so its autocast runs emulated, often ten times "
                       "slower than fp32; consider precision='fp32'", UserWarning, stacklevel=_compat.stacklevel_outside_package())
 
 
