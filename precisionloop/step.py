@@ -25,7 +25,8 @@ class StepResult:
     Attributes:
         loss: the micro-batch's loss, unscaled and not divided by ``grad_accum_steps``.
         stepped: the optimizer updated the parameters.
-        skipped: this micro-batch ended an accumulation, but its optimizer step was skipped for non-finite gradients.
+        skipped: this micro-batch ended an accumulation, but its optimizer step was skipped: a gradient or a
+            micro-batch loss of the accumulation was not finite.
         scale: the loss scale after this step, or ``None`` without a scaler.
         grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
         nonfinite: the names of the parameters whose gradients held an inf or NaN, checked per parameter from the
@@ -152,19 +153,24 @@ class _Guard:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
 
-    def unscale_and_check(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> torch.Tensor:
-        """1.0 (on the first gradient's device) if any gradient is not finite, else 0.0; unscaled first."""
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
+                          losses: list[torch.Tensor]) -> torch.Tensor:
+        """1.0 (on the first gradient's device) if any gradient or micro-batch loss is not finite, else 0.0; the
+        gradients unscaled first. A scaler's own flag is set, so that it skips the step and backs off."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-            return _compat.scaler_found_inf(self.scaler, optimizer)
-        grads = [_compat.dense_values(g) for g in grads]
-        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")  # fp32: fused kernels
-        for group in _compat.group_by_device_and_dtype(grads) if grads else ():
-            here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
-            _compat.non_finite_any_(group, here)
-            if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
-                torch.maximum(found, here.to(found.device), out=found)
-        if self.all_reduce_max is not None:
+            found = _compat.scaler_found_inf(self.scaler, optimizer)
+        else:
+            grads = [_compat.dense_values(g) for g in grads]
+            found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")  # fp32: fused kernels
+            for group in _compat.group_by_device_and_dtype(grads) if grads else ():
+                here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
+                _compat.non_finite_any_(group, here)
+                if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
+                    torch.maximum(found, here.to(found.device), out=found)
+        if losses:  # a NaN loss (a batch of ignored targets: 0/0) can leave every gradient finite; checked on a copy
+            _compat.non_finite_any_([torch.stack(losses).to(found.device, torch.float32)], found)
+        if self.all_reduce_max is not None:  # each rank's loss is its own, whatever the gradients agree on
             self.all_reduce_max(found)
         return found
 
@@ -196,7 +202,7 @@ def make_guard(scaler: torch.amp.GradScaler | None, distributed: str | None, dev
         scaler = ShardedGradScaler(device_type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
                                    backoff_factor=scaler.get_backoff_factor(),
                                    growth_interval=scaler.get_growth_interval())
-    return _Guard(scaler, _dist.all_reduce_max_ if distributed and scaler is None else None)
+    return _Guard(scaler, _dist.all_reduce_max_ if distributed else None)
 
 
 def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
@@ -267,6 +273,7 @@ class StepEngine:
         self.collapse_warned = self.unsynced = self.sync_next = False  # sync_next: fit's last micro-batch of an epoch
         self.probe: Callable[[int], Callable[[], None] | None] | None = None
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
+        self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
         self.recent_skips: collections.deque[int] = collections.deque(maxlen=2)  # the last skipped steps' numbers
 
     def step(self, batch: Any) -> StepResult:
@@ -300,9 +307,11 @@ class StepEngine:
         loss = loss.detach().reshape(())  # a (1,) loss too: the outcome stacks scalars
         if self.micro < self.grad_accum_steps:
             # A CUDA-graph output would be overwritten by the next replay.
+            loss = loss if self.compile_mode is None else loss.clone()
+            self._losses.append(loss)
             scale = self.guard.scale_tensor()
-            return StepResult(loss if self.compile_mode is None else loss.clone(), False,
-                              scale=None if scale is None else scale.clone())
+            return StepResult(loss, False, scale=None if scale is None else scale.clone())
+        self._losses.append(loss)
         return self.optimizer_step(loss)
 
     def flush(self) -> StepResult | None:
@@ -324,7 +333,7 @@ class StepEngine:
         self.sync(wait_all=self.scheduler is not None)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]  # add_param_group too
         grads = [p.grad for p in params if p.grad is not None]
-        found_inf = self.guard.unscale_and_check(self.optimizer, grads)
+        found_inf = self.guard.unscale_and_check(self.optimizer, grads, self._losses)
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
         after = self.probe(self.global_step + 1) if self.probe is not None else None
@@ -343,7 +352,7 @@ class StepEngine:
             outcome = _Outcome(found_inf, loss, self.guard.scale_tensor(), names, flags)
             self._pending.append(outcome)
         finally:  # the weights may have changed: the step counts, whatever was raised
-            self.micro, self.unsynced, self.global_step = 0, False, self.global_step + 1
+            self.micro, self.unsynced, self.global_step, self._losses = 0, False, self.global_step + 1, []
             if outcome is None:  # counted with the others (a second error would hide the first)
                 with contextlib.suppress(Exception):
                     self._pending.append(_Outcome(found_inf, loss, None))
@@ -368,7 +377,7 @@ class StepEngine:
     def discard_accumulation(self) -> None:
         """Drop the gradients of an open accumulation (after an error, or on load)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.micro, self.unsynced = 0, False
+        self.micro, self.unsynced, self._losses = 0, False, []
         self.guard.abandon()
 
     def sync(self, wait_all: bool = True) -> None:
@@ -397,7 +406,7 @@ class StepEngine:
                           stacklevel=_compat.stacklevel_outside_package())
         if skipped and self.consecutive_skips == self.max_consecutive_skips:  # once a run: a save can follow
             raise RuntimeError(
-                f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients (at "
+                f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients or loss (at "
                 f"optimizer step {self.stats.steps}" + ("" if scale is None else f", loss scale {scale}")
                 + (f"; non-finite gradients in {', '.join(self.stats.nonfinite[:8])}" if self.stats.nonfinite else "")
                 + "); the loss or the model diverged. Lower the learning rate or check the data"

@@ -114,6 +114,10 @@ def inf_on_one_rank(rank, out_dir):
             named = trainer.step(_local(data[1], rank)).nonfinite  # a second skip in a row names the parameters
             outcomes[f"{mode}-{precision}"] = (result.skipped, result.scale, all(torch.equal(a, b) for a, b in zip(before, after)),
                                                named)
+            # Only rank 1's batch has every target ignored: its loss is NaN, the averaged gradients finite.
+            x, y = _local(data[0], rank)
+            result = trainer.step((x, torch.full_like(y, -100) if rank == 1 else y))
+            outcomes[f"nan-loss-{mode}-{precision}"] = (result.skipped, trainer.stats.skipped)
     torch.save(outcomes, os.path.join(out_dir, f"outcomes-{rank}.pt"))
 
 
@@ -217,12 +221,16 @@ def test_fsdp_shards_on_the_trainers_device_not_the_machines_accelerator(tmp_pat
     run("fsdp_cpu_beside_an_accelerator", tmp_path)
 
 
-def test_inf_on_one_rank_skips_on_every_rank(tmp_path):
+def test_inf_or_a_nan_loss_on_one_rank_skips_on_every_rank(tmp_path):
     run("inf_on_one_rank", tmp_path)
     named = {}
     for rank in range(WORLD):
         outcomes = torch.load(tmp_path / f"outcomes-{rank}.pt")
-        for key, (skipped, scale, unchanged, names) in outcomes.items():
+        for key, outcome in outcomes.items():
+            if key.startswith("nan-loss"):
+                assert outcome == (True, 3), (rank, key)
+                continue
+            skipped, scale, unchanged, names = outcome
             assert skipped and unchanged, (rank, key)
             assert scale == (2.0**15 if "fp16" in key else None), (rank, key)
             assert names and named.setdefault(key, names) == names, (rank, key)  # the same names on every rank

@@ -60,6 +60,27 @@ def test_a_non_finite_gradient_skips_the_step_and_the_scheduler(precision, fused
     assert trainer.stats.steps_since_overflow == 1
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_nan_loss_with_finite_gradients_skips_the_step(precision, accum):
+    # Every target ignored (a batch of prompt tokens only): cross_entropy is 0/0, NaN, and every gradient exactly 0.
+    model = tiny_mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = Trainer(model, optimizer, precision, device="cpu", grad_accum_steps=accum, max_consecutive_skips=2)
+    trainer.step(batches(1)[0])
+    trainer.flush()
+    before, state, scale = copy.deepcopy(model.state_dict()), opt_state(optimizer), trainer.stats.scale
+    x, y = batches(1)[0]
+    ignored = (x, torch.full_like(y, -100))
+    results = [trainer.step(b) for b in [ignored, (x, y)][:accum]]  # one NaN micro-batch skips the accumulation
+    assert results[-1].skipped and not results[-1].stepped and trainer.stats.skipped == 1
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert same_state(opt_state(optimizer), state)
+    assert trainer.stats.scale == (scale / 2 if precision == "fp16" else None)
+    with pytest.raises(RuntimeError, match="2 optimizer steps in a row were skipped for non-finite gradients or loss"):
+        [trainer.step(ignored) for _ in range(accum)]
+
+
 def test_scale_grows_after_growth_interval():
     model = tiny_mlp()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), FP16Policy(init_scale=256.0, growth_interval=3), device="cpu")
