@@ -154,6 +154,7 @@ def load_state(trainer, state: dict, source: str) -> None:
 def _restore(trainer, state: dict) -> None:
     engine, counters = trainer._engine, state["counters"]
     engine._pending = []  # the counters, stats and scheduler those outcomes would change are replaced below
+    engine.recent_skips.clear()  # the skip history with them: the file's run had its own
     engine.discard_accumulation()
     _load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], trainer.distributed)
     if trainer.scheduler is not None:

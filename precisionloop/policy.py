@@ -40,6 +40,7 @@ class PrecisionPolicy:
 
     name: ClassVar[str] = "custom"
     compute_dtype: ClassVar[torch.dtype] = torch.float32
+    param_dtype: ClassVar[torch.dtype] = torch.float32  # what prepare_model casts fp32 weights outside keep_fp32 to
 
     tf32: bool = True
     cudnn_benchmark: bool | None = None
@@ -151,6 +152,7 @@ class BF16PurePolicy(BF16Policy):
     """
 
     name: ClassVar[str] = "bf16-pure"
+    param_dtype: ClassVar[torch.dtype] = torch.bfloat16
 
     def check_weights(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Raise a ValueError unless the parameters are fp32 or bf16 and the optimizer rounds stochastically."""
@@ -176,7 +178,7 @@ class BF16PurePolicy(BF16Policy):
                 if id(module) not in kept:
                     for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
                         if t.is_floating_point():
-                            t.data = t.data.to(self.compute_dtype)
+                            t.data = t.data.to(self.param_dtype)
         return model
 
 

@@ -41,7 +41,8 @@ class Trainer:
         compile: ``torch.compile`` the forward and backward: ``True`` is ``"reduce-overhead"`` (CUDA graphs) on CUDA,
             ``"default"`` elsewhere; a string names the mode. The optimizer step stays eager.
         distributed: under torchrun, ``"auto"`` (several processes) and ``"ddp"`` wrap the model in DDP, ``"fsdp"``
-            shards it with FSDP2, ``None`` never distributes; a model you wrapped is used as it is.
+            shards it with FSDP2, ``None`` never distributes. A model you wrapped is used as it is, and refused where
+            the policy would change its weights (bf16-pure's cast, channels_last): pass it unwrapped.
 
     Raises:
         ValueError: an optimizer that does not hold exactly the model's trainable parameters, a scheduler without
@@ -93,6 +94,8 @@ class Trainer:
 
     def _prepare(self, model: nn.Module) -> tuple[nn.Module, torch.memory_format]:
         """The policy's layout and ``keep_fp32``, then compile in place (state-dict keys unchanged), then DDP/FSDP2."""
+        if _dist.is_wrapped(model):
+            _refuse_changes_to_wrapped(model, self.policy)
         if self.distributed != "fsdp" or type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
             fuse_default_optimizer(self.optimizer, model)  # FSDP2's DTensors have no rule for fused SGD
         if _dist.is_wrapped(model):  # the user chose how to distribute it; its kept modules still run in fp32
@@ -297,6 +300,23 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, i
     if missing or foreign:
         raise ValueError("the optimizer must hold exactly the model's trainable parameters; "
                          + (f"it lacks {', '.join(missing[:5])}" if missing else f"it holds {len(foreign)} other tensors"))
+
+
+def _refuse_changes_to_wrapped(model: nn.Module, policy: PrecisionPolicy) -> None:
+    """A ValueError if the policy would cast or re-lay the weights of a model wrapped in DDP or FSDP2: the wrapper's
+    buckets or shards were built for them as they are, so it would train them unchanged under the policy's name."""
+    inner = _dist.unwrap(model)
+    kept = {id(p) for _, m in fp32_modules.select_modules(inner, policy.keep_fp32) for p in m.parameters()}
+    layout = policy.memory_format(inner)
+    params = list(inner.named_parameters())
+    cast = [n for n, p in params
+            if policy.param_dtype != torch.float32 and p.dtype == torch.float32 and id(p) not in kept]
+    relaid = [n for n, p in params if p.dim() == 4 and not p.is_contiguous(memory_format=layout)]
+    if cast or relaid:
+        change = f"cast {cast[0]} to {policy.param_dtype}" if cast else f"lay {relaid[0]} out in {layout}"
+        raise ValueError(f"precision {policy.name!r} would {change} inside this {type(model).__name__}, which was "
+                         "built for the weights as they are: pass the model unwrapped and let the Trainer wrap it "
+                         "(distributed='ddp' or 'fsdp'); nothing was changed")
 
 
 def autotune(model: nn.Module, optimizer_factory: Callable, sample_batch: Any, **options: Any) -> tuning.AutotuneResult:

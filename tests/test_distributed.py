@@ -196,8 +196,39 @@ def fsdp_cpu_beside_an_accelerator(rank, out_dir):
     assert {p.device_mesh.device_type for p in trainer.model.parameters()} == {"cpu"}
 
 
+def one_process_group(rank, out_dir):
+    # A model the script wrapped itself: refused where the policy would change its weights, trained where it would not.
+    dist.init_process_group("gloo")  # by the script, as torchvision's and Hugging Face's scripts do
+    pure = torch.nn.parallel.DistributedDataParallel(tiny_mlp())
+    with pytest.raises(ValueError, match=r"'bf16-pure' would cast 0.weight to torch.bfloat16 .*pass the model unwrapped"):
+        Trainer(pure, BF16AdamW(pure.parameters()), "bf16-pure", device="cpu")
+    assert {p.dtype for p in pure.parameters()} == {torch.float32}
+    cnn = torch.nn.parallel.DistributedDataParallel(tiny_cnn())
+    with pytest.raises(ValueError, match="would lay 0.weight out in torch.channels_last"):
+        Trainer(cnn, _optimizer(cnn), BF16Policy(channels_last=True), device="cpu")
+    ready = torch.nn.parallel.DistributedDataParallel(tiny_mlp().to(torch.bfloat16))
+    assert Trainer(ready, BF16AdamW(ready.parameters()), "bf16-pure", device="cpu").step(batches(1)[0]).stepped
+    # A load replaces the skip history too: the Trainer that loads acts as a fresh one loading the same file.
+    model = tiny_mlp()
+    saved = Trainer(model, _optimizer(model), "bf16", device="cpu", distributed="ddp")
+    for b in batches(2):
+        saved.step(b)
+    saved.save(os.path.join(out_dir, "clean.pt"))
+    nonfinite = []
+    for skips_before in (False, True):
+        model = tiny_mlp()
+        model[0].weight.register_hook(lambda g: g * float("nan") if armed else g)
+        trainer = Trainer(model, _optimizer(model), "bf16", device="cpu", distributed="ddp")
+        for armed in (False, skips_before):
+            trainer.step(batches(1)[0])
+        trainer.load(os.path.join(out_dir, "clean.pt"))
+        armed = True
+        nonfinite.append(trainer.step(batches(1)[0]).nonfinite)
+    assert nonfinite == [(), ()]
+
+
 SCENARIOS = {f.__name__: f for f in (equals_single, inf_on_one_rank, checkpoint_round_trip, fsdp_keep_fp32,
-                                     fsdp_cpu_beside_an_accelerator)}
+                                     fsdp_cpu_beside_an_accelerator, one_process_group)}
 
 
 # The tests ----------------------------------------------------------------------------------
@@ -276,6 +307,10 @@ def test_fsdp_keeps_fp32_modules_in_fp32_and_equals_one_process(tmp_path):
         trainer.step(batch)
     for p, q in zip(model.parameters(), got["params"]):
         torch.testing.assert_close(q, p.detach(), **TOL_KEEP)
+
+
+def test_a_process_group_of_one_refuses_wrapped_models_the_policy_would_change_and_loads_replace_skip_history(tmp_path):
+    run("one_process_group", tmp_path, world=1)
 
 
 def test_distributed_modes_need_a_launcher_or_a_group():
