@@ -213,7 +213,7 @@ class PrecisionReport:
 
 def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = FORMATS) -> PrecisionReport:
     """What each format would do to every ``nn.Linear`` and convolution's inputs, weights and output gradients, from
-    one forward and backward of ``batch`` through ``trainer``'s ``compute_loss`` under its policy: under bf16 autocast
+    one forward and backward of ``batch`` through ``trainer``'s ``forward_batch`` and ``compute_loss`` under its policy: under bf16 autocast
     the outputs and their gradients are bf16 already (an fp32 Trainer shows every format from fp32). fp8 formats are
     scaled tensorwise, as torchao's default recipe does; 16-bit ones are cast as they are. Nothing changes: weights,
     optimizer state, counters, gradients, buffers, each module's train or eval mode, RNG state.
@@ -252,7 +252,7 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
             for p in params:
                 p.grad = None
             with trainer.autocast():
-                loss = trainer.compute_loss(trainer.to_device(batch))
+                loss = trainer.compute_loss(*trainer.forward_batch(trainer.to_device(batch)))
             with trainer.policy.backend_flags(trainer.device.type):
                 loss.backward()
         for name, module in layers:

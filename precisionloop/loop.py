@@ -319,12 +319,8 @@ def validate(trainer, loader: Iterable, metrics: Mapping) -> dict[str, float]:
             for batch in loader:
                 batch = trainer.to_device(batch)
                 with trainer.policy.autocast(device.type):
-                    if trainer._overrides("compute_loss") and not metrics:
-                        loss = trainer.compute_loss(batch)
-                    else:
-                        outputs, targets = trainer.forward_batch(batch)
-                        loss = (trainer.compute_loss(batch) if trainer._overrides("compute_loss")
-                                else trainer.loss_fn(outputs, targets))
+                    outputs, targets = trainer.forward_batch(batch)
+                    loss = trainer.compute_loss(outputs, targets)
                 n = batch_size(batch)
                 loss_sum += loss.float() * n
                 count += n

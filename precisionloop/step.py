@@ -85,12 +85,15 @@ class RefusedLoss(ValueError):
     """A loss refused before its backward: nothing was changed."""
 
 
-OWN_LOSS = """If the model computes its own loss, override compute_loss to give it the targets and return that loss:
+OWN_LOSS = """If the model computes its own loss, give it the targets in forward_batch and return that loss:
 
     class MyTrainer(Trainer):
-        def compute_loss(self, batch):
+        def forward_batch(self, batch):
             inputs, targets = batch
-            return self.model(inputs, targets)[1]  # (logits, loss); or .loss for an output object"""
+            return self.model(inputs, targets), targets
+
+        def compute_loss(self, outputs, targets):
+            return outputs[1]  # (logits, loss); or outputs.loss for an output object"""
 
 
 def _check_loss(loss: Any) -> None:
@@ -261,11 +264,13 @@ class StepEngine:
     between unscaling and clipping (``fit``'s underflow figures); what it returns, if not None, after the step."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: _Guard, *,
-                 autocast: Callable[[], Any], compile_mode: str | None, compute_loss: Callable[[Any], Any],
+                 autocast: Callable[[], Any], compile_mode: str | None, forward_batch: Callable[[Any], Any],
+                 compute_loss: Callable[[Any, Any], Any],
                  scheduler: Any, grad_accum_steps: int, max_grad_norm: float | None, max_consecutive_skips: int,
                  distributed: str | None):
         self.model, self.optimizer, self.guard, self.autocast, self.compile_mode = model, optimizer, guard, autocast, compile_mode
-        self.compute_loss, self.scheduler, self.distributed = compute_loss, scheduler, distributed
+        self.forward_batch, self.compute_loss = forward_batch, compute_loss
+        self.scheduler, self.distributed = scheduler, distributed
         self.grad_accum_steps, self.max_grad_norm, self.max_consecutive_skips = grad_accum_steps, max_grad_norm, max_consecutive_skips
         self.stats = TrainStats()
         self.last_loss: float | None = None  # the loss of the last counted optimizer step, on the host
@@ -299,7 +304,7 @@ class StepEngine:
         syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next  # else no gradient all-reduce
         with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
             with self.autocast():
-                loss = self.compute_loss(batch)
+                loss = self.compute_loss(*self.forward_batch(batch))
             _check_loss(loss)
             self.guard.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
         self.unsynced = bool(self.distributed) and not syncs

@@ -83,12 +83,12 @@ class Trainer:
         self.underflow_history: list[dict] = []  # filled by fit(underflow_every=N)
         self.epoch = self.batch_in_epoch = 0  # completed epochs; micro-batches trained in the current one
         self._rng_epoch_start: dict | None = None  # the RNG state the current epoch's shuffle was drawn from
-        self._takes_pairs = not (self._overrides("forward_batch") or self._overrides("compute_loss"))
+        self._takes_pairs = type(self).forward_batch is Trainer.forward_batch
         self.model, self._input_format = self._prepare(model.to(self.device))
         self._engine = StepEngine(
             self.model, optimizer, make_guard(policy.make_scaler(self.device.type), self.distributed, self.device.type),
             autocast=functools.partial(policy.autocast, self.device.type), compile_mode=self.compile_mode,
-            compute_loss=self.compute_loss, scheduler=scheduler if self.scheduler_interval == "step" else None,
+            forward_batch=self.forward_batch, compute_loss=self.compute_loss, scheduler=scheduler if self.scheduler_interval == "step" else None,
             grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
             max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
 
@@ -125,16 +125,12 @@ class Trainer:
         inputs, targets = batch
         return self.model(inputs), targets
 
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch, under autocast; override it for another loss, or to return the model's own."""
-        outputs, targets = self.forward_batch(batch)
+    def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        """The loss from ``forward_batch``'s outputs and targets; override it for another loss, or the model's own."""
         if not isinstance(outputs, torch.Tensor) and self.loss_fn is nn.functional.cross_entropy:
             raise RefusedLoss(f"the model returned a {type(outputs).__name__}, and the default loss takes a tensor of "
                               f"logits; nothing was changed. {OWN_LOSS}")
         return self.loss_fn(outputs, targets)
-
-    def _overrides(self, name: str) -> bool:
-        return getattr(type(self), name) is not getattr(Trainer, name)
 
     def step(self, batch: Any) -> StepResult:
         """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.
@@ -144,12 +140,12 @@ class Trainer:
 
         Raises:
             ValueError: the loss is not a scalar or does not require grad (before backward; nothing changed).
-            TypeError: the batch is not ``(inputs, targets)`` and neither ``forward_batch`` nor ``compute_loss`` is
-                overridden (nothing changed).
+            TypeError: the batch is not ``(inputs, targets)`` and ``forward_batch`` is not overridden (nothing
+                changed).
         """
         if self._takes_pairs and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(f"the default forward_batch expects a batch of (inputs, targets), got {type(batch).__name__}"
-                            "; override Trainer.forward_batch (or compute_loss) for other batch shapes; nothing was "
+                            "; override Trainer.forward_batch for other batch shapes; nothing was "
                             "changed")
         with self.policy.backend_flags(self.device.type):
             return self._engine.step(self.to_device(batch))

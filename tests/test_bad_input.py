@@ -128,7 +128,7 @@ def test_a_scheduler_without_an_interval_is_refused_naming_both_choices():
     Trainer(model, opt, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))  # implied
 
 
-@pytest.mark.parametrize("batch, names", [(torch.randn(4, 8), "compute_loss"), (dict_batch(1), "forward_batch")],
+@pytest.mark.parametrize("batch, names", [(torch.randn(4, 8), "forward_batch"), (dict_batch(1), "forward_batch")],
                          ids=["a tensor", "a dict"])
 def test_a_batch_that_is_not_inputs_and_targets_names_the_method_to_override(batch, names):
     m, t = mk()

@@ -423,8 +423,8 @@ def test_step_alone_never_steps_reduce_lr_on_plateau():
 
 
 class PlusTen(Trainer):
-    def compute_loss(self, batch):
-        return super().compute_loss(batch) + 10
+    def compute_loss(self, outputs, targets):
+        return super().compute_loss(outputs, targets) + 10
 
 
 def test_evaluate_and_fits_validation_use_an_overridden_compute_loss():
@@ -435,6 +435,27 @@ def test_evaluate_and_fits_validation_use_an_overridden_compute_loss():
     assert t.evaluate([B])["val_loss"] == pytest.approx(plain + 10, rel=1e-6)
     record = t.fit([B], epochs=1, val_loader=[B], progress=False)[0]  # lr=0: training changes nothing
     assert record["val_loss"] == pytest.approx(record["train_loss"], rel=1e-6) == pytest.approx(plain + 10, rel=1e-6)
+
+
+class Doubled(Trainer):
+    def forward_batch(self, batch):
+        inputs, targets = batch
+        return self.model(inputs * 2), targets
+
+
+class DoubledPlusTen(Doubled, PlusTen):
+    pass
+
+
+@pytest.mark.parametrize("cls", [PlusTen, Doubled, DoubledPlusTen])
+def test_validation_runs_the_model_once_per_batch_whatever_is_overridden(cls):
+    m, calls = net(), []
+    m.register_forward_hook(lambda *args: calls.append(1))
+    t = cls(m, torch.optim.SGD(m.parameters(), lr=0.1), "fp32", device="cpu")
+    metrics = {"acc": MulticlassAccuracy(num_classes=3, average="micro")}
+    assert 0 <= t.evaluate([B] * 5, metrics)["acc"] <= 1 and len(calls) == 5
+    t.fit([B], val_loader=[B] * 5, metrics=metrics, progress=False)
+    assert len(calls) == 5 + 1 + 5
 
 
 def test_dict_batch_subclass_works_everywhere():
@@ -636,8 +657,8 @@ def test_checkpoints_refuse_a_period_or_a_count_below_one(tmp_path):
 
 def test_fit_averages_low_precision_losses_in_fp32():
     class BF16Loss(Trainer):
-        def compute_loss(self, batch):  # 1 + 2^-7 is exact in bf16; three of them summed in bf16 are not
-            return (self.model(batch[0]).float().sum() * 0 + 1.0078125).bfloat16()
+        def compute_loss(self, outputs, targets):  # 1 + 2^-7 is exact in bf16; three of them summed in bf16 are not
+            return (outputs.float().sum() * 0 + 1.0078125).bfloat16()
 
     model = tiny_mlp()
     trainer = BF16Loss(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")

@@ -36,9 +36,9 @@ def test_a_model_returning_its_own_loss_is_refused_naming_compute_loss(kind):
     model = OwnLoss(kind)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
     before = model.head.weight.detach().clone()
-    with pytest.raises(ValueError, match="override compute_loss") as info:
+    with pytest.raises(ValueError, match="give it the targets in forward_batch") as info:
         trainer.step(BATCH)
-    assert "def compute_loss(self, batch)" in str(info.value)
+    assert "def forward_batch(self, batch)" in str(info.value) and "def compute_loss(self, outputs, targets)" in str(info.value)
     assert torch.equal(model.head.weight, before) and trainer.global_step == 0
 
 
@@ -46,17 +46,19 @@ def test_a_model_returning_its_own_loss_is_refused_naming_compute_loss(kind):
 def test_a_loss_fn_returning_none_or_a_tuple_names_compute_loss(loss_fn):
     model = OwnLoss()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu", loss_fn=loss_fn)
-    with pytest.raises(ValueError, match="targets never reached the model.*override compute_loss"):
+    with pytest.raises(ValueError, match="targets never reached the model.*give it the targets in forward_batch"):
         trainer.step(BATCH)
 
 
 @pytest.mark.parametrize("kind", ["tuple", "object"])
 def test_the_documented_compute_loss_override_trains_a_model_with_its_own_loss(kind):
     class OwnLossTrainer(Trainer):
-        def compute_loss(self, batch):
+        def forward_batch(self, batch):
             inputs, targets = batch
-            out = self.model(inputs, targets)
-            return out[1] if kind == "tuple" else out.loss
+            return self.model(inputs, targets), targets
+
+        def compute_loss(self, outputs, targets):
+            return outputs[1] if kind == "tuple" else outputs.loss
 
     torch.manual_seed(0)
     model = OwnLoss(kind)

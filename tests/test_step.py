@@ -79,11 +79,14 @@ class TwoInputs(nn.Module):
 
 
 class RegressionTrainer(Trainer):
-    def compute_loss(self, batch):
-        return nn.functional.mse_loss(self.model(batch["a"], batch["b"]), batch["y"])
+    def forward_batch(self, batch):
+        return self.model(batch["a"], batch["b"]), batch["y"]
+
+    def compute_loss(self, outputs, targets):
+        return nn.functional.mse_loss(outputs, targets)
 
 
-def test_compute_loss_override_for_other_batch_shapes():
+def test_forward_batch_and_compute_loss_overrides_for_other_batch_shapes():
     model = TwoInputs()
     trainer = RegressionTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16", device="cpu")
     batch = {"a": torch.randn(4, 16), "b": torch.randn(4, 16), "y": torch.randn(4)}
@@ -113,8 +116,8 @@ class _LossAs(Trainer):
 
     dtype = torch.bfloat16
 
-    def compute_loss(self, batch):
-        loss = super().compute_loss(batch).to(self.dtype)
+    def compute_loss(self, outputs, targets):
+        loss = super().compute_loss(outputs, targets).to(self.dtype)
         return loss.reshape(1) if self.dtype == torch.bfloat16 else loss
 
 

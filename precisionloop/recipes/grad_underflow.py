@@ -111,7 +111,7 @@ def _gradient_table(trainer: Trainer, batch, scale: float) -> tuple[dict, torch.
     """One batch's gradients counted in each format and printed; the reports and the gradients' magnitudes."""
     trainer.model.zero_grad(set_to_none=True)
     with trainer.autocast():
-        loss = trainer.compute_loss(batch)
+        loss = trainer.compute_loss(*trainer.forward_batch(batch))
     with trainer.policy.backend_flags(trainer.device.type):  # fp32 as trained: no TF32 in the backward either
         loss.backward()
     reports = {key: gradient_underflow(trainer.model, dtype, s) for key, dtype, s in (
