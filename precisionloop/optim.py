@@ -46,7 +46,7 @@ class BF16AdamW(torch.optim.Optimizer):
     and rounded the same way; an fp32 parameter (a ``keep_fp32`` module's) is updated in fp32. On CUDA the update
     of a parameter group is one compiled function, compiled on the first step. Like torch's fused optimizers it
     takes the inf/NaN flag as a tensor, so the Trainer skips a step without a host sync. ``params``, ``lr``,
-    ``betas``, ``eps`` and ``weight_decay`` are :class:`torch.optim.AdamW`'s.
+    ``betas``, ``eps`` and ``weight_decay`` are :class:`torch.optim.AdamW`'s; its other options only at their defaults.
     """
 
     bf16_stochastic_round = True  # what precision "bf16-pure" asks of an optimizer
@@ -54,11 +54,26 @@ class BF16AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2):
+        torch.optim.AdamW([torch.empty(0)], lr, betas, eps, weight_decay)  # torch's checks of these, its messages
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _refuse_options(self, group: dict) -> None:
+        for name, default in torch.optim.AdamW([torch.empty(0)]).defaults.items():  # the options its state_dict holds
+            if name not in self.defaults and group.get(name, default) != default:
+                raise ValueError(f"BF16AdamW has no {name}={group[name]!r}: leave it at {default!r}, or use torch.optim.AdamW.")
+
+    def add_param_group(self, param_group: dict) -> None:
+        self._refuse_options(param_group)
+        super().add_param_group(param_group)
+        if any(p.dtype == torch.float16 for p in param_group["params"]):
+            self.param_groups.pop()  # the optimizer as it was
+            raise ValueError("BF16AdamW cannot update fp16 weights (their moments underflow): use bf16 weights or torch.optim.AdamW.")
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = None if closure is None else torch.enable_grad()(closure)()
+        if any(p.grad is not None and p.grad.is_sparse for group in self.param_groups for p in group["params"]):
+            raise ValueError("BF16AdamW cannot use a parameter's sparse gradient: make it dense, or use torch.optim.SparseAdam.")
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
@@ -82,6 +97,8 @@ class BF16AdamW(torch.optim.Optimizer):
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
+        for group in state_dict["param_groups"]:
+            self._refuse_options(group)
         super().load_state_dict(state_dict)
         for p, state in self.state.items():  # torch's load leaves each step where it was saved
             state["step"] = state["step"].to(p.device)

@@ -387,6 +387,65 @@ def test_bf16_adamw_follows_a_scheduler_that_moves_lr_and_momentum_under_a_bf16_
     assert all(torch.allclose(p, q, atol=1e-5) for p, q in zip(ours.parameters(), theirs.parameters()))
 
 
+@pytest.mark.parametrize("bad", [dict(lr=-1e-3), dict(betas=(1.0, 0.999)), dict(betas=(0.9, 1.0)), dict(eps=-1e-8),
+                                 dict(weight_decay=-0.1)])
+def test_bf16_adamw_refuses_the_arguments_torchs_adamw_refuses_in_its_words(bad):
+    w = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError) as theirs:
+        torch.optim.AdamW([w], **bad)
+    with pytest.raises(ValueError) as ours:
+        BF16AdamW([w], **bad)
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("name, value", [("amsgrad", True), ("maximize", True), ("foreach", False)])
+def test_bf16_adamw_refuses_a_torch_adamw_option_it_lacks_in_a_param_group(name, value):
+    w, v = nn.Parameter(torch.ones(2, dtype=torch.bfloat16)), nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=f"no {name}={value}.*torch.optim.AdamW"):
+        BF16AdamW([{"params": [w], name: value}])
+    optimizer = BF16AdamW([w])
+    with pytest.raises(ValueError, match=f"no {name}={value}"):
+        optimizer.add_param_group({"params": [v], name: value})
+    assert [g["params"] for g in optimizer.param_groups] == [[w]]
+
+
+def test_bf16_adamw_loads_torchs_adamw_state_at_its_defaults_and_refuses_amsgrad_leaving_itself_unchanged():
+    w = nn.Parameter(torch.ones(3))  # fp32, as keep_fp32 keeps a module's weights
+    w.grad = torch.ones_like(w)
+    theirs, amsgrad = torch.optim.AdamW([w], lr=1e-2), torch.optim.AdamW([w], amsgrad=True)
+    theirs.step()
+    amsgrad.step()
+    ours = BF16AdamW([w])
+    ours.load_state_dict(theirs.state_dict())
+    with pytest.raises(ValueError, match="no amsgrad=True"):
+        ours.load_state_dict(amsgrad.state_dict())
+    assert ours.param_groups[0]["lr"] == 1e-2 and ours.param_groups[0]["amsgrad"] is False
+    assert ours.state[w]["step"].item() == 1 and "max_exp_avg_sq" not in ours.state[w]
+
+
+def test_bf16_adamw_refuses_a_sparse_gradient_before_it_changes_any_state():
+    dense, embedding = nn.Linear(2, 1).to(torch.bfloat16), nn.Embedding(4, 2, sparse=True).to(torch.bfloat16)
+    optimizer = BF16AdamW([{"params": dense.parameters()}, {"params": embedding.parameters()}])  # dense first
+    dense(torch.ones(1, 2, dtype=torch.bfloat16)).sum().backward()
+    optimizer.step()
+    embedding(torch.tensor([1])).sum().backward()
+    before = [p.detach().clone() for p in (*dense.parameters(), *embedding.parameters())]
+    with pytest.raises(ValueError, match="sparse gradient"):
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip((*dense.parameters(), *embedding.parameters()), before))
+    assert [s["step"].item() for s in optimizer.state.values()] == [1.0, 1.0]
+
+
+def test_bf16_adamw_refuses_fp16_weights_pointing_at_bf16_ones_or_torchs_adamw():
+    half = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp16 weights.*use bf16 weights or torch.optim.AdamW"):
+        BF16AdamW([half])
+    optimizer = BF16AdamW([nn.Parameter(torch.ones(2, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="fp16 weights"):
+        optimizer.add_param_group({"params": [half]})
+    assert len(optimizer.param_groups) == 1
+
+
 @pytest.mark.gpu
 def test_pure_bf16_steps_on_cuda_without_a_host_sync_before_and_after_a_resume(tmp_path):
     _, trainer = pure_bf16(device="cuda")
