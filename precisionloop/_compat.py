@@ -10,20 +10,15 @@ import torch
 from torch import nn
 
 
-def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """The scaler's inf/NaN flag from its last ``unscale_(optimizer)``, as one device tensor (no host sync)."""
-    found = list(scaler._found_inf_per_device(optimizer).values())
-    return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
-
-
-def scaler_scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """The loss scale as a device tensor; ``get_scale()`` would sync the host."""
+def scaler_scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The loss scale as a device tensor (None before the first ``scale``); ``get_scale()`` would sync the host."""
     return scaler._get_scale_async()
 
 
-def forget_unscale(scaler: torch.amp.GradScaler) -> None:
-    """Forget an ``unscale_`` whose ``step``/``update`` never came (an error in between)."""
-    scaler._per_optimizer_states.clear()
+def update_scale_(scaler: torch.amp.GradScaler, found_inf: torch.Tensor) -> None:
+    """``scaler.update()`` from a found-inf flag of our own: back off on 1, else grow after its interval."""
+    torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, found_inf, scaler._growth_factor,
+                             scaler._backoff_factor, scaler._growth_interval)
 
 
 # GradScaler's fused check takes no complex gradient; its CUDA kernel takes no bf16 and counts finite fp64 values
@@ -35,20 +30,23 @@ FUSED_CHECK_MAX_ELEMENTS = 2**25
 large GPU-bound step pays for (ResNet18's 11.7M values gain from one launch, a Transformer's 237M lose)."""
 
 
-def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
-    """Set ``found_inf`` (fp32, one element) to 1 if a gradient (all of one device and dtype) is not finite:
-    GradScaler's fused unscale by one (one launch, values rewritten) where it can, else read-only foreach inf-norms."""
+def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
+    """Multiply gradients (all of one device and dtype) by ``inv_scale`` and set ``found_inf`` (fp32, one element)
+    to 1 if one is not finite: GradScaler's fused unscale-and-check in one launch where it can; without a scale, a
+    read-only foreach check where the fused kernel cannot run or its write-back would cost more than it saves."""
     grads = [g for g in grads if g.numel()]
     if not grads:
         return
     device = grads[0].device.type
-    if grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ()) and (
-            device == "cpu" or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS):
-        one = torch.ones((), dtype=torch.float32, device=found_inf.device)  # a scale of one: the values stay
+    fused = grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ())
+    if fused and (inv_scale is not None or device == "cpu" or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS):
+        one = torch.ones((), dtype=torch.float32, device=found_inf.device) if inv_scale is None else inv_scale
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
-    else:
-        found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
-        torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
+        return
+    found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
+    torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
+    if inv_scale is not None:
+        torch._foreach_mul_(grads, inv_scale)
 
 
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -59,15 +57,6 @@ def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Te
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """True for optimizers whose ``step`` takes the inf/NaN flag as a tensor (torch's fused ones)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
-def step_skipping_on_device(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-    """Step a fused optimizer that skips the update on the device when ``found_inf`` is 1 (GradScaler's contract)."""
-    optimizer.grad_scale, optimizer.found_inf = None, found_inf
-    try:
-        optimizer.step()
-    finally:
-        del optimizer.grad_scale, optimizer.found_inf
 
 
 def use_fused_implementation(optimizer: torch.optim.Optimizer) -> None:

@@ -4,7 +4,6 @@ nothing, in one layout whether the run had one process, DDP or FSDP2."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.metadata
 import os
 import random
@@ -102,8 +101,7 @@ def set_rng_state(state: dict) -> None:
 
 def trainer_state(trainer) -> dict:
     """Everything a Trainer needs to resume exactly, as a ``weights_only``-loadable dict."""
-    engine, scheduler = trainer._engine, trainer.scheduler
-    engine.sync()
+    engine, scheduler = trainer._engine.state_dict(), trainer.scheduler  # first: it refuses an open accumulation
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
     rng = rng_state()
     return {
@@ -113,11 +111,8 @@ def trainer_state(trainer) -> dict:
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scheduler_class": type(scheduler).__name__ if scheduler is not None else None,
         "scheduler_interval": trainer.scheduler_interval,
-        "scaler": engine.guard.scaler.state_dict() if engine.guard.scaler is not None else None,
-        "counters": {"global_step": engine.global_step, "consecutive_skips": engine.consecutive_skips,
-                     "collapse_warned": engine.collapse_warned, "epoch": trainer.epoch,
-                     "batch_in_epoch": trainer.batch_in_epoch},
-        "stats": dataclasses.asdict(engine.stats),
+        "scaler": engine["scaler"], "stats": engine["stats"],
+        "counters": {**engine["counters"], "epoch": trainer.epoch, "batch_in_epoch": trainer.batch_in_epoch},
         "rng": rng, "rng_per_rank": _dist.gather_objects(rng) if trainer.distributed else None,
         "rng_epoch_start": trainer._rng_epoch_start,
     }
@@ -152,25 +147,11 @@ def load_state(trainer, state: dict, source: str) -> None:
 
 
 def _restore(trainer, state: dict) -> None:
-    engine, counters = trainer._engine, state["counters"]
-    engine._pending = []  # the counters, stats and scheduler those outcomes would change are replaced below
-    engine.recent_skips.clear()  # the skip history with them: the file's run had its own
-    engine.discard_accumulation()
+    trainer._engine.load_state_dict(state)  # first: its pending outcomes would step the scheduler
     _load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], trainer.distributed)
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])
-    scaler = engine.guard.scaler
-    if scaler is not None and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
-    engine.global_step, engine.consecutive_skips = counters["global_step"], counters["consecutive_skips"]
-    engine.collapse_warned = counters["collapse_warned"]
-    engine.stats = type(engine.stats)(**state["stats"])
-    engine.last_loss = None  # the replaced run's last loss is not this one's
-    if scaler is None:  # an fp16 run loaded without a scaler reports no scale
-        engine.stats.scale = engine.stats.min_scale = engine.stats.max_scale = None
-    else:
-        engine.stats.scale = scaler.get_scale()
-    trainer.epoch, trainer.batch_in_epoch = counters["epoch"], counters["batch_in_epoch"]
+    trainer.epoch, trainer.batch_in_epoch = state["counters"]["epoch"], state["counters"]["batch_in_epoch"]
     trainer._rng_epoch_start = state["rng_epoch_start"]
     per_rank = state["rng_per_rank"]
     set_rng_state(per_rank[_dist.rank()] if per_rank and len(per_rank) == _dist.world_size() else state["rng"])

@@ -89,11 +89,11 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
         val_loader = _dist.shard_loader(val_loader) if val_loader is not None else None
         progress = progress and _dist.is_main()
     engine = trainer._engine
-    reached = lambda: max_steps is not None and engine.global_step >= max_steps  # noqa: E731
+    reached = lambda: max_steps is not None and trainer.global_step >= max_steps  # noqa: E731
     options = dict(progress=progress, callbacks=callbacks, checkpoints=checkpoints, log_every=log_every,
                    loggers=loggers, max_steps=max_steps)
     trainer.model.train()  # a model left in eval mode would train with frozen dropout and batch norms
-    engine.probe = _underflow_probe(trainer, underflow_every) if underflow_every else None
+    engine.set_probe(_underflow_probe(trainer, underflow_every) if underflow_every else None)
     history: list[dict] = []
     try:
         while trainer.epoch < epochs and not reached():
@@ -113,7 +113,7 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
                 if hasattr(cb, "on_epoch_end"):
                     cb.on_epoch_end(trainer, record)
     finally:
-        engine.probe = None
+        engine.set_probe(None)
     if history and max(r["data_fraction"] for r in history) > 0.3 and _dist.is_main():
         log.warning("fit: up to %.0f%% of an epoch waited for input, so the input pipeline bounds training: try "
                     "more DataLoader workers, lighter transforms, or uint8 images normalised on the device",
@@ -165,13 +165,13 @@ class _Epoch:
     def __init__(self, trainer, loader: Iterable, options: dict):
         self.trainer, self.engine, self.options = trainer, trainer._engine, options
         self.skipped_before = trainer.stats.skipped  # counts the steps before this epoch first
-        self.steps_before = self.engine.global_step
+        self.steps_before = trainer.global_step
         self.iterator = _start_epoch(trainer, loader)
         try:
             self.total = len(loader)
         except TypeError:  # a generator, an IterableDataset's loader
             self.total = None
-        self.first = trainer.batch_in_epoch if self.engine.micro else None  # one opened by hand before fit too
+        self.first = trainer.batch_in_epoch if self.engine.accumulating() else None  # one opened by hand before fit too
         self.rng, self.losses = None, []  # losses: summed into the two below 64 at a time, a few kernels, not per batch
         self.loss_sum = torch.zeros((), device=trainer.device)
         self.finite = torch.zeros((), dtype=torch.int64, device=trainer.device)
@@ -194,7 +194,7 @@ class _Epoch:
                     checkpoint.set_rng_state(self.rng)
             raise
         finally:
-            self.engine.sync_next = False
+            self.engine.set_sync_next(False)
             bar.close()
         if self.count == 0 and trainer.batch_in_epoch == 0:
             raise ValueError(f"train_loader yielded no batches in epoch {trainer.epoch + 1}: nothing was trained "
@@ -205,16 +205,16 @@ class _Epoch:
         """Train on the epoch's batches, then flush an open accumulation; whether the epoch ran to its end."""
         trainer, engine = self.trainer, self.engine
         while True:
-            if engine.micro == 0:
+            if not engine.accumulating():
                 self.first = trainer.batch_in_epoch
-                self.rng = checkpoint.rng_state() if engine.grad_accum_steps > 1 else None
+                self.rng = checkpoint.rng_state() if trainer.grad_accum_steps > 1 else None
             waited = time.perf_counter()
             batch = next(self.iterator, _END)
             self.data_s += time.perf_counter() - waited
             if batch is _END:
                 self._after(self._attempt(trainer.flush))
                 return True
-            engine.sync_next = self.total is not None and trainer.batch_in_epoch + 1 == self.total
+            engine.set_sync_next(self.total is not None and trainer.batch_in_epoch + 1 == self.total)
             result = self._attempt(trainer.step, batch)
             trainer.batch_in_epoch += 1
             self.losses.append(result._loss)
@@ -222,23 +222,24 @@ class _Epoch:
             self.count, self.samples = self.count + 1, self.samples + batch_size(batch)
             bar.update(1)
             if self.count % self.options["log_every"] == 0 and self.options["progress"]:
-                scale = {} if engine.stats.scale is None else {"scale": f"{engine.stats.scale:g}"}
-                loss = f"{engine.last_loss:.4g}" if engine.last_loss is not None else "-"
-                bar.set_postfix({"loss": loss, "skipped": engine.stats.skipped, **scale,
+                stats, last_loss = engine.counted()
+                scale = {} if stats.scale is None else {"scale": f"{stats.scale:g}"}
+                loss = f"{last_loss:.4g}" if last_loss is not None else "-"
+                bar.set_postfix({"loss": loss, "skipped": stats.skipped, **scale,
                                  "data": f"{self.data_s / (time.perf_counter() - self.start):.0%}"}, refresh=False)
             if self._after(result):
                 return self.total is not None and trainer.batch_in_epoch >= self.total
 
     def _attempt(self, call, *args):
         """``call(*args)``; once its optimizer step ran nothing is rewound and its batch is used, even if it raised."""
-        steps = self.engine.global_step
+        steps = self.trainer.global_step
         try:
             return call(*args)
         except BaseException:
-            self.trainer.batch_in_epoch += bool(args) and self.engine.global_step != steps
+            self.trainer.batch_in_epoch += bool(args) and self.trainer.global_step != steps
             raise
         finally:
-            self.first = None if self.engine.global_step != steps else self.first
+            self.first = None if self.trainer.global_step != steps else self.first
 
     def _after(self, result) -> bool:
         """Callbacks, loggers and periodic checkpoints after a micro-batch; True once ``max_steps`` is reached."""
@@ -251,9 +252,10 @@ class _Epoch:
         if not result._optimizer_step:
             return False
         if options["loggers"] and trainer.global_step % options["log_every"] == 0 and _dist.is_main():
-            now, stats = time.perf_counter(), self.engine.stats  # the last counted step's, on the host: no sync
+            now = time.perf_counter()
+            stats, last_loss = self.engine.counted()  # on the host already: no sync
             rate = (self.samples - self.logged_samples) / max(now - self.logged_at, 1e-9)
-            metrics = {"loss": self.engine.last_loss, "lr": trainer.optimizer.param_groups[0]["lr"],
+            metrics = {"loss": last_loss, "lr": trainer.optimizer.param_groups[0]["lr"],
                        "skipped": stats.skipped, "samples_per_s": rate, "loss_scale": stats.scale}
             for logger in options["loggers"]:
                 logger.log_metrics({k: v for k, v in metrics.items() if v is not None}, stats.steps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import ClassVar, Iterator
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -60,6 +60,17 @@ class PrecisionPolicy:
     def make_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
         """A fresh loss scaler for this device type, or ``None`` when gradients need no scaling."""
         return None
+
+    def should_skip(self, nonfinite: torch.Tensor, grad_norm: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Whether to skip this optimizer step: a float32 tensor on ``nonfinite``'s device, 1.0 to skip, else 0.0
+        (torch's fused optimizers skip only on exactly 1). Stay on the device: reading a value here syncs the host.
+
+        Args:
+            nonfinite: 1.0 if a gradient or a micro-batch loss held an inf or NaN, alike on every rank.
+            grad_norm: gives the total norm of the unscaled gradients before clipping (computed at its first call
+                when clipping is off); the same on every rank.
+        """
+        return nonfinite
 
     def backend_flags(self, device_type: str = "cuda") -> contextlib.AbstractContextManager:
         """Set TF32 and ``cudnn.benchmark`` while the block runs, then restore the caller's values (CUDA only)."""

@@ -1,15 +1,16 @@
-"""The training step: forward and loss under autocast, backward, and every ``grad_accum_steps`` micro-batches an
-optimizer step behind the gradient guard (loss scaling, the inf/NaN check). Each step's outcome reaches the host
-without blocking and is counted later, so a fused optimizer never waits for the step just queued."""
+"""The training step: forward and loss under autocast, backward, and every ``grad_accum_steps`` micro-batches one
+optimizer step, the same for every precision: the gradients unscaled and checked for inf/NaN in one pass, the
+policy's ``should_skip`` judging, the step taken or skipped on the device where the optimizer takes the flag. Each
+step's outcome reaches the host without blocking and is counted later, so a fused optimizer never waits for the
+step just queued."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -26,22 +27,23 @@ class StepResult:
         loss: the micro-batch's loss, unscaled and not divided by ``grad_accum_steps``.
         stepped: the optimizer updated the parameters.
         skipped: this micro-batch ended an accumulation, but its optimizer step was skipped: a gradient or a
-            micro-batch loss of the accumulation was not finite.
+            micro-batch loss of the accumulation was not finite, or the policy's ``should_skip`` said so.
         scale: the loss scale after this step, or ``None`` without a scaler.
-        grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set.
+        grad_norm: the total gradient norm before clipping, when ``max_grad_norm`` is set or the policy's
+            ``should_skip`` asked for it.
         nonfinite: the names of the parameters whose gradients held an inf or NaN, checked per parameter from the
             second skipped step in a row on, else ``()``. On CUDA "in a row" counts the skips the host has seen
             when the step starts: at once after ``result.skipped`` is read, else a step later.
     """
 
-    __slots__ = ("_loss", "_found_inf", "_scale", "_grad_norm", "_optimizer_step", "_outcome")
+    __slots__ = ("_loss", "_skip", "_scale", "_grad_norm", "_optimizer_step", "_outcome")
 
-    def __init__(self, loss, optimizer_step: bool, found_inf=None, scale=None, grad_norm=None, outcome=None):
-        self._loss, self._found_inf, self._scale, self._grad_norm = loss, found_inf, scale, grad_norm
+    def __init__(self, loss, optimizer_step: bool, skip=None, scale=None, grad_norm=None, outcome=None):
+        self._loss, self._skip, self._scale, self._grad_norm = loss, skip, scale, grad_norm
         self._optimizer_step, self._outcome = optimizer_step, outcome  # this micro-batch ended an accumulation
 
     loss = property(lambda self: float(self._loss))
-    skipped = property(lambda self: self._optimizer_step and bool(self._found_inf))
+    skipped = property(lambda self: self._optimizer_step and bool(self._skip))
     stepped = property(lambda self: self._optimizer_step and not self.skipped)
     scale = property(lambda self: _host(self._scale))
     grad_norm = property(lambda self: _host(self._grad_norm))
@@ -61,7 +63,7 @@ class TrainStats:
     """Optimizer-step and loss-scale counters over the run (``trainer.stats``)."""
 
     steps: int = 0
-    """optimizer steps taken or skipped"""
+    """optimizer steps taken or skipped whose outcome has been counted (``Trainer.global_step`` counts them queued)"""
     skipped: int = 0
     steps_since_overflow: int = 0
     scale: float | None = None
@@ -129,83 +131,57 @@ class _FusedSGDFirstStep:
         return False
 
 
-def _step_on_host(optimizer: torch.optim.Optimizer, step: Callable[[], None]) -> None:
-    """``step()``; a fused SGD group mixing parameters with and without buffers (which torch's fused SGD refuses)
-    steps, gradients unscaled by then, on the default implementation, which starts each new buffer itself."""
+@contextlib.contextmanager
+def _unfused_mixed_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Fused SGD groups mixing parameters with and without momentum buffers (which torch's fused SGD refuses) step,
+    inside the block, on the default implementation, which starts each new buffer itself."""
     mixed = [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
              and len({optimizer.state.get(p, {}).get("momentum_buffer") is None
                       for p in g["params"] if p.grad is not None}) == 2]
-    if not mixed:
-        return step()
     for group in mixed:
         group["fused"] = False
     try:
-        optimizer.step()
+        yield
     finally:
         for group in mixed:
             group["fused"] = True
 
 
-class _Guard:
-    """Between backward and the optimizer step under every precision: loss scaling if the policy makes a ``GradScaler``,
-    and a step with inf/NaN gradients skipped (by every rank, via ``all_reduce_max``, without a scaler)."""
+class _NoLossScale:
+    """A scale of one (jmp's NoOpLossScale): the step never asks whether there is a loss scaler."""
 
-    def __init__(self, scaler: torch.amp.GradScaler | None, all_reduce_max: Callable[[torch.Tensor], Any] | None):
-        self.scaler, self.all_reduce_max, self._first = scaler, all_reduce_max, _FusedSGDFirstStep()
+    scaler = None
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.scaler is None else self.scaler.scale(loss)
+        return loss
 
-    def unscale_and_check(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor],
-                          losses: list[torch.Tensor]) -> torch.Tensor:
-        """1.0 (on the first gradient's device) if any gradient or micro-batch loss is not finite, else 0.0; the
-        gradients unscaled first. A scaler's own flag is set, so that it skips the step and backs off."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-            found = _compat.scaler_found_inf(self.scaler, optimizer)
-        else:
-            grads = [_compat.dense_values(g) for g in grads]
-            found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")  # fp32: fused kernels
-            for group in _compat.group_by_device_and_dtype(grads) if grads else ():
-                here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
-                _compat.non_finite_any_(group, here)
-                if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
-                    torch.maximum(found, here.to(found.device), out=found)
-        if losses:  # a NaN loss (a batch of ignored targets: 0/0) can leave every gradient finite; checked on a copy
-            _compat.non_finite_any_([torch.stack(losses).to(found.device, torch.float32)], found)
-        if self.all_reduce_max is not None:  # each rank's loss is its own, whatever the gradients agree on
-            self.all_reduce_max(found)
-        return found
+    def inverse(self) -> torch.Tensor | None:
+        return None
 
-    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
-        on_host = self._first.needs_host(optimizer)
-        if self.scaler is not None and not on_host:
-            self.scaler.step(optimizer)  # fused optimizers skip on the device, others sync inside GradScaler
-        elif _compat.skips_on_device(optimizer) and not on_host:
-            _compat.step_skipping_on_device(optimizer, found_inf)
-        elif not found_inf.item():  # the one host sync (a scaler still backs off in update())
-            _step_on_host(optimizer, optimizer.step if self.scaler is None else lambda: self.scaler.step(optimizer))
-        if self.scaler is not None:
-            self.scaler.update()
+    def adjust(self, nonfinite: torch.Tensor) -> None:
+        pass
 
-    def abandon(self) -> None:
-        """Forget an unscale whose step never came (an error in between)."""
-        if self.scaler is not None:
-            _compat.forget_unscale(self.scaler)
-
-    def scale_tensor(self) -> torch.Tensor | None:
-        return None if self.scaler is None else _compat.scaler_scale_tensor(self.scaler)
+    def value(self) -> torch.Tensor | None:
+        return None
 
 
-def make_guard(scaler: torch.amp.GradScaler | None, distributed: str | None, device_type: str) -> _Guard:
-    """The step's guard over the policy's scaler, with the collective it needs to agree across ranks."""
-    if scaler is not None and distributed == "fsdp":  # each rank holds a shard: the scaler all-reduces its check
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+class _DynamicLossScale(_NoLossScale):
+    """The policy's ``GradScaler``: its scale and growth settings, with the check and the update done by the step."""
 
-        scaler = ShardedGradScaler(device_type, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
-                                   backoff_factor=scaler.get_backoff_factor(),
-                                   growth_interval=scaler.get_growth_interval())
-    return _Guard(scaler, _dist.all_reduce_max_ if distributed else None)
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def inverse(self) -> torch.Tensor:
+        return self.value().double().reciprocal().float()  # as GradScaler.unscale_ computes it
+
+    def adjust(self, nonfinite: torch.Tensor) -> None:
+        _compat.update_scale_(self.scaler, nonfinite)  # backs off on non-finite values only, not a judged skip
+
+    def value(self) -> torch.Tensor | None:
+        return _compat.scaler_scale_tensor(self.scaler)
 
 
 def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
@@ -223,32 +199,28 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -
 
 
 class _Outcome:
-    """A step's found inf, loss, scale (and named per-parameter flags) on their way to the host: on CUDA one row (safe
-    from the next CUDA-graph replay) copied without blocking, an event after it; elsewhere the tensors, read at once."""
+    """A step's skip flag, non-finite flag, loss and scale (and per-parameter flags) on their way to the host: one row,
+    a copy safe from the next CUDA-graph replay, copied on CUDA without blocking, an event after it."""
 
-    __slots__ = ("found_inf", "loss", "scale", "values", "event", "names", "flags")
+    __slots__ = ("row", "values", "event", "names", "flags")
 
-    def __init__(self, found_inf: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor | None,
+    def __init__(self, skip: torch.Tensor, nonfinite: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor | None,
                  names: list[str] = (), flags: torch.Tensor | None = None):
-        self.event, self.names, self.flags = None, names, flags
-        if not found_inf.is_cuda:  # the scaler updates its scale in place
-            self.found_inf, self.loss, self.scale = found_inf, loss, None if scale is None else scale.clone()
-            return
-        row = torch.stack([found_inf, loss.to(found_inf.device, torch.float32), *([] if scale is None else [scale])])
-        self.found_inf, self.loss, self.scale = row[0], row[1], None if scale is None else row[2]
-        with torch.inference_mode(False):
-            self.values = row.to("cpu", non_blocking=True)
-            self.flags = None if flags is None else flags.to("cpu", non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(row.device))
+        self.row = torch.stack([skip, nonfinite, loss.to(skip.device, torch.float32), *([] if scale is None else [scale])])
+        self.values, self.event, self.names, self.flags = self.row, None, names, flags
+        if self.row.is_cuda:
+            with torch.inference_mode(False):
+                self.values = self.row.to("cpu", non_blocking=True)
+                self.flags = None if flags is None else flags.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(self.row.device))
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
     def read(self) -> list[float]:
-        if self.event is None:
-            return [self.found_inf.item(), self.loss.item(), *([] if self.scale is None else [self.scale.item()])]
-        self.event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         return self.values.tolist()
 
     def nonfinite(self) -> tuple[str, ...]:
@@ -260,16 +232,17 @@ class _Outcome:
 
 
 class StepEngine:
-    """Accumulation, the guarded optimizer step, clipping, counting outcomes, the skip limit. ``probe(step)`` runs
-    between unscaling and clipping (``fit``'s underflow figures); what it returns, if not None, after the step."""
+    """Accumulation, the checked optimizer step, clipping, the policy's judgement, counting outcomes, the skip limit.
+    Its state round-trips through ``state_dict``. ``probe(step)`` runs between unscaling and clipping (``fit``'s
+    underflow figures); what it returns, if not None, after the step."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, guard: _Guard, *,
-                 autocast: Callable[[], Any], compile_mode: str | None, forward_batch: Callable[[Any], Any],
-                 compute_loss: Callable[[Any, Any], Any],
-                 scheduler: Any, grad_accum_steps: int, max_grad_norm: float | None, max_consecutive_skips: int,
-                 distributed: str | None):
-        self.model, self.optimizer, self.guard, self.autocast, self.compile_mode = model, optimizer, guard, autocast, compile_mode
-        self.forward_batch, self.compute_loss = forward_batch, compute_loss
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, policy: Any, scaler: Any, *,
+                 device_type: str, compile_mode: str | None, forward_batch: Callable[[Any], Any],
+                 compute_loss: Callable[[Any, Any], Any], scheduler: Any, grad_accum_steps: int,
+                 max_grad_norm: float | None, max_consecutive_skips: int, distributed: str | None):
+        self.model, self.optimizer, self.policy, self.device_type = model, optimizer, policy, device_type
+        self.loss_scale = _NoLossScale() if scaler is None else _DynamicLossScale(scaler)
+        self.forward_batch, self.compute_loss, self.compile_mode = forward_batch, compute_loss, compile_mode
         self.scheduler, self.distributed = scheduler, distributed
         self.grad_accum_steps, self.max_grad_norm, self.max_consecutive_skips = grad_accum_steps, max_grad_norm, max_consecutive_skips
         self.stats = TrainStats()
@@ -277,19 +250,34 @@ class StepEngine:
         self.micro = self.global_step = self.consecutive_skips = 0
         self.collapse_warned = self.unsynced = self.sync_next = False  # sync_next: fit's last micro-batch of an epoch
         self.probe: Callable[[int], Callable[[], None] | None] | None = None
+        self._first_sgd = _FusedSGDFirstStep()
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
         self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
-        self.recent_skips: collections.deque[int] = collections.deque(maxlen=2)  # the last skipped steps' numbers
 
     def step(self, batch: Any) -> StepResult:
         """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
+        syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next  # else no gradient all-reduce
+        compiled, nothing = self.compile_mode is not None, contextlib.nullcontext()
+        if compiled:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's CUDA-graph outputs may be reused
         try:
-            with torch.enable_grad():  # a step under the caller's no_grad() still trains
-                if self.compile_mode is None:
-                    return self._step(batch)
-                torch.compiler.cudagraph_mark_step_begin()  # the last step's CUDA-graph outputs may be reused
-                with _compat.compiled_backward_like_eager():
-                    return self._step(batch)
+            # A step under the caller's no_grad() still trains.
+            with torch.enable_grad(), _compat.compiled_backward_like_eager() if compiled else nothing, \
+                    _dist.no_sync(self.model) if self.distributed and not syncs else nothing:
+                with self.policy.autocast(self.device_type):
+                    loss = self.compute_loss(*self.forward_batch(batch))
+                _check_loss(loss)
+                self.loss_scale.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
+                self.unsynced = bool(self.distributed) and not syncs
+                self.micro += 1
+                loss = loss.detach().reshape(())  # a (1,) loss too: the outcome stacks scalars
+                if self.micro < self.grad_accum_steps:
+                    # A CUDA-graph output would be overwritten by the next replay; the scale is updated in place.
+                    self._losses.append(loss if self.compile_mode is None else loss.clone())
+                    scale = self.loss_scale.value()
+                    return StepResult(self._losses[-1], False, scale=None if scale is None else scale.clone())
+                self._losses.append(loss)
+                return self.optimizer_step(loss)
         except RefusedLoss:
             raise  # refused before its backward: nothing changed
         except _compat.compile_error_types() as e:
@@ -299,25 +287,6 @@ class StepEngine:
         except BaseException:
             self.discard_accumulation()
             raise
-
-    def _step(self, batch: Any) -> StepResult:
-        syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next  # else no gradient all-reduce
-        with _dist.no_sync(self.model) if self.distributed and not syncs else contextlib.nullcontext():
-            with self.autocast():
-                loss = self.compute_loss(*self.forward_batch(batch))
-            _check_loss(loss)
-            self.guard.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
-        self.unsynced = bool(self.distributed) and not syncs
-        self.micro += 1
-        loss = loss.detach().reshape(())  # a (1,) loss too: the outcome stacks scalars
-        if self.micro < self.grad_accum_steps:
-            # A CUDA-graph output would be overwritten by the next replay.
-            loss = loss if self.compile_mode is None else loss.clone()
-            self._losses.append(loss)
-            scale = self.guard.scale_tensor()
-            return StepResult(loss, False, scale=None if scale is None else scale.clone())
-        self._losses.append(loss)
-        return self.optimizer_step(loss)
 
     def flush(self) -> StepResult | None:
         """The optimizer step for an open accumulation, its gradients averaged over what it holds."""
@@ -333,57 +302,104 @@ class StepEngine:
             raise
 
     def optimizer_step(self, loss: torch.Tensor) -> StepResult:
+        """Check, clip, judge, then step or skip: on the device where the optimizer takes the flag, else on the host."""
         # A scheduler must have set this step's LR, so with one every earlier outcome is counted first; without,
         # those already on the host or two steps old, so the host never waits for the step just queued.
         self.sync(wait_all=self.scheduler is not None)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]  # add_param_group too
         grads = [p.grad for p in params if p.grad is not None]
-        found_inf = self.guard.unscale_and_check(self.optimizer, grads, self._losses)
+        nonfinite = self._check(grads)
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
         after = self.probe(self.global_step + 1) if self.probe is not None else None
-        if self.distributed:  # every rank decides alike: from the step two back on CUDA (counted above), else the last
-            check = self.global_step + 1 - (2 if found_inf.is_cuda else 1) in self.recent_skips
-        else:
-            check = self.consecutive_skips > 0
-        names, flags = self._nonfinite_flags(params, found_inf.device) if check else ((), None)
-        grad_norm = None
-        if self.max_grad_norm is not None:
-            grad_norm = nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        names, flags = self._nonfinite_flags(params, nonfinite) if self._names_parameters(nonfinite) else ((), None)
+        norm = [None if self.max_grad_norm is None else _whole(nn.utils.clip_grad_norm_(params, self.max_grad_norm))]
+
+        def grad_norm() -> torch.Tensor:
+            if norm[0] is None:
+                norm[0] = _whole(nn.utils.get_total_norm(grads))
+            return norm[0]
+
+        skip = self.policy.should_skip(nonfinite, grad_norm)
         outcome = None
         try:
-            self.guard.step(self.optimizer, found_inf)  # and the scaler's update
-            outcome = _Outcome(found_inf, loss, self.guard.scale_tensor(), names, flags)
-            self._pending.append(outcome)
+            if _compat.skips_on_device(self.optimizer) and not self._first_sgd.needs_host(self.optimizer):
+                self.optimizer.grad_scale, self.optimizer.found_inf = None, skip  # GradScaler's contract
+                try:
+                    self.optimizer.step()
+                finally:
+                    del self.optimizer.grad_scale, self.optimizer.found_inf
+            elif not skip.item():  # the one host sync
+                with _unfused_mixed_groups(self.optimizer):
+                    self.optimizer.step()
+            self.loss_scale.adjust(nonfinite)
+            outcome = _Outcome(skip, nonfinite, loss, self.loss_scale.value(), names, flags)
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced, self.global_step, self._losses = 0, False, self.global_step + 1, []
-            if outcome is None:  # counted with the others (a second error would hide the first)
-                with contextlib.suppress(Exception):
-                    self._pending.append(_Outcome(found_inf, loss, None))
+            with contextlib.suppress(Exception):  # counted with the others (a second error would hide the first)
+                self._pending.append(outcome or _Outcome(skip, nonfinite, loss, None))
         if after is not None:
             after()
         self.optimizer.zero_grad(set_to_none=True)
         if outcome.event is None:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
-        return StepResult(outcome.loss, True, found_inf=outcome.found_inf, scale=outcome.scale, grad_norm=grad_norm,
-                          outcome=outcome if flags is not None else None)
+        return StepResult(outcome.row[2], True, skip=outcome.row[0], scale=outcome.row[3] if len(outcome.row) > 3 else None,
+                          grad_norm=norm[0], outcome=outcome if flags is not None else None)
 
-    def _nonfinite_flags(self, params: list[nn.Parameter], device: torch.device) -> tuple[list[str], torch.Tensor]:
+    def _check(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """1.0 if a gradient or a micro-batch loss of the accumulation is not finite, else 0.0, as an fp32 tensor on
+        the first gradient's device; the gradients unscaled. Alike on every rank."""
+        grads = [_compat.dense_values(g) for g in grads]
+        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else self._losses[0].device)
+        inverse = self.loss_scale.inverse()
+        for group in _compat.group_by_device_and_dtype(grads) if grads else ():
+            here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
+            _compat.non_finite_any_(group, here, inverse)
+            if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
+                torch.maximum(found, here.to(found.device), out=found)
+        # A NaN loss (a batch of ignored targets: 0/0) can leave every gradient finite; checked on a copy.
+        _compat.non_finite_any_([torch.stack(self._losses).to(found.device, torch.float32)], found, None)
+        if self.distributed:  # each rank's loss is its own, whatever the gradients agree on
+            _dist.all_reduce_max_(found)
+        return found
+
+    def _names_parameters(self, nonfinite: torch.Tensor) -> bool:
+        """Whether this step checks each parameter: when the step before it was skipped. Under DDP/FSDP2 every rank
+        decides alike, from the step two back on CUDA (outcomes arrive late), else the last; one process, from the
+        last step counted."""
+        lag = 2 if nonfinite.is_cuda else 1
+        before = self.global_step + 1 - lag if self.distributed else self.stats.steps
+        return before > self.stats.steps - self.consecutive_skips  # inside the run of skips that ends the count
+
+    def _nonfinite_flags(self, params: list[nn.Parameter], nonfinite: torch.Tensor) -> tuple[list[str], torch.Tensor]:
         """The parameters' names, and 1 for each whose gradient holds an inf or NaN: a read of every gradient, made
         only while steps are being skipped. Every rank gets the same flags (under FSDP2 each holds a shard)."""
         names = {p: n for n, p in _dist.unwrap(self.model).named_parameters()}
-        flags = torch.stack([torch.zeros((), device=device) if p.grad is None else
-                             (~_compat.dense_values(p.grad).isfinite()).any().to(device, torch.float32) for p in params])
+        flags = torch.stack([torch.zeros_like(nonfinite) if p.grad is None else
+                             (~_compat.dense_values(p.grad).isfinite()).any().to(nonfinite) for p in params])
         if self.distributed:
             _dist.all_reduce_max_(flags)
         return [names[p] for p in params], flags
+
+    def accumulating(self) -> bool:
+        """Whether micro-batches of an unfinished accumulation hold gradients."""
+        return self.micro > 0
+
+    def counted(self) -> tuple[TrainStats, float | None]:
+        """The stats and the last loss counted so far, without waiting for the steps still on their way."""
+        return self.stats, self.last_loss
+
+    def set_probe(self, probe: Callable[[int], Callable[[], None] | None] | None) -> None:
+        self.probe = probe
+
+    def set_sync_next(self, sync: bool) -> None:
+        """All-reduce the next micro-batch's gradients even if it does not complete the accumulation (an epoch's last)."""
+        self.sync_next = sync
 
     def discard_accumulation(self) -> None:
         """Drop the gradients of an open accumulation (after an error, or on load)."""
         self.optimizer.zero_grad(set_to_none=True)
         self.micro, self.unsynced, self._losses = 0, False, []
-        self.guard.abandon()
 
     def sync(self, wait_all: bool = True) -> None:
         """Count the steps' outcomes: all, waiting; else those on the host and any two steps old (skip limit too)."""
@@ -393,12 +409,10 @@ class StepEngine:
 
     def _count(self, values: list[float], outcome: _Outcome) -> None:
         """Count an outcome; then the scheduler's step if it was taken, the collapse warning, the skip limit."""
-        skipped, scale = bool(values[0]), (values[2] if len(values) > 2 else None)
-        if not math.isnan(values[1]):  # a flush has no micro-batch loss
-            self.last_loss = values[1]
+        skipped, nonfinite, scale = bool(values[0]), bool(values[1]), (values[3] if len(values) > 3 else None)
+        if not math.isnan(values[2]):  # a flush has no micro-batch loss
+            self.last_loss = values[2]
         self.stats.record(skipped, scale)
-        if skipped:
-            self.recent_skips.append(self.stats.steps)
         if skipped and outcome.flags is not None:
             self.stats.nonfinite = outcome.nonfinite()
         self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
@@ -410,9 +424,46 @@ class StepEngine:
                           "non-finite even unscaled, so fp16 is unlikely to train this model", RuntimeWarning,
                           stacklevel=_compat.stacklevel_outside_package())
         if skipped and self.consecutive_skips == self.max_consecutive_skips:  # once a run: a save can follow
+            why = "for non-finite gradients or loss" if nonfinite else "by the policy's should_skip (all finite)"
             raise RuntimeError(
-                f"{self.consecutive_skips} optimizer steps in a row were skipped for non-finite gradients or loss (at "
-                f"optimizer step {self.stats.steps}" + ("" if scale is None else f", loss scale {scale}")
+                f"{self.consecutive_skips} optimizer steps in a row were skipped {why} (at optimizer step "
+                f"{self.stats.steps}" + ("" if scale is None else f", loss scale {scale}")
                 + (f"; non-finite gradients in {', '.join(self.stats.nonfinite[:8])}" if self.stats.nonfinite else "")
                 + "); the loss or the model diverged. Lower the learning rate or check the data"
                 + ("" if scale is None else ", or try precision='bf16', which needs no loss scale"))
+
+    def state_dict(self) -> dict:
+        """The loss scaler's state, the counters and the stats, every outcome counted first.
+
+        Raises:
+            RuntimeError: an accumulation is open (its gradients cannot be saved).
+        """
+        if self.micro:
+            raise RuntimeError(f"cannot save with an accumulation open ({self.micro} of {self.grad_accum_steps} "
+                               "micro-batches done): save after an optimizer step, or flush()")
+        self.sync()
+        scaler = self.loss_scale.scaler
+        return {"scaler": None if scaler is None else scaler.state_dict(), "stats": dataclasses.asdict(self.stats),
+                "counters": {"global_step": self.global_step, "consecutive_skips": self.consecutive_skips,
+                             "collapse_warned": self.collapse_warned}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace all of it: the outcomes not counted yet, the open accumulation, the scale, counters and stats."""
+        self._pending = []
+        self.discard_accumulation()
+        scaler, counters = self.loss_scale.scaler, state["counters"]
+        if scaler is not None and state["scaler"]:
+            scaler.load_state_dict(state["scaler"])
+        self.global_step, self.consecutive_skips = counters["global_step"], counters["consecutive_skips"]
+        self.collapse_warned = counters["collapse_warned"]
+        self.stats = TrainStats(**state["stats"])
+        self.last_loss = None  # the replaced run's last loss is not this one's
+        if scaler is None:  # an fp16 run loaded without a scaler reports no scale
+            self.stats.scale = self.stats.min_scale = self.stats.max_scale = None
+        else:
+            self.stats.scale = scaler.get_scale()
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm over every rank's shard under FSDP2 (a DTensor), as it is otherwise."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -17,7 +16,7 @@ from .loop import Checkpoints
 from .memory import MemoryBreakdown, memory_breakdown
 from .policy import PrecisionPolicy, resolve_device, warn_overridden_flags
 from .precisions import get_policy
-from .step import OWN_LOSS, RefusedLoss, StepEngine, StepResult, TrainStats, fuse_default_optimizer, make_guard
+from .step import OWN_LOSS, RefusedLoss, StepEngine, StepResult, TrainStats, fuse_default_optimizer
 
 __all__ = ["Trainer", "autotune"]
 
@@ -85,9 +84,10 @@ class Trainer:
         self._rng_epoch_start: dict | None = None  # the RNG state the current epoch's shuffle was drawn from
         self._takes_pairs = type(self).forward_batch is Trainer.forward_batch
         self.model, self._input_format = self._prepare(model.to(self.device))
+        self.scaler: torch.amp.GradScaler | None = policy.make_scaler(self.device.type)
+        """The loss scaler, or ``None`` when there is none."""
         self._engine = StepEngine(
-            self.model, optimizer, make_guard(policy.make_scaler(self.device.type), self.distributed, self.device.type),
-            autocast=functools.partial(policy.autocast, self.device.type), compile_mode=self.compile_mode,
+            self.model, optimizer, policy, self.scaler, device_type=self.device.type, compile_mode=self.compile_mode,
             forward_batch=self.forward_batch, compute_loss=self.compute_loss, scheduler=scheduler if self.scheduler_interval == "step" else None,
             grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
             max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
@@ -112,7 +112,6 @@ class Trainer:
         return model, input_format
 
     is_main = property(lambda self: _dist.is_main(), doc="True on rank 0 (or the only process): it reports and saves.")
-    scaler = property(lambda self: self._engine.guard.scaler, doc="The loss scaler, or ``None`` when there is none.")
     global_step = property(lambda self: self._engine.global_step, doc="Optimizer steps taken or skipped.")
     grad_accum_steps = property(lambda self: self._engine.grad_accum_steps, doc="Micro-batches per optimizer step.")
     max_grad_norm = property(lambda self: self._engine.max_grad_norm, doc="The clipping norm, or None.")
@@ -242,9 +241,6 @@ class Trainer:
         Raises:
             RuntimeError: an accumulation is open (its gradients cannot be saved).
         """
-        if self._engine.micro:
-            raise RuntimeError(f"cannot save with an accumulation open ({self._engine.micro} of "
-                               f"{self.grad_accum_steps} micro-batches done): save after an optimizer step, or flush()")
         return checkpoint.trainer_state(self)
 
     def load_state_dict(self, state: dict, *, source: str = "the checkpoint") -> None:

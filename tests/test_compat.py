@@ -18,30 +18,21 @@ def _scaled(scaler):
     return scaler
 
 
-def test_grad_scaler_reports_inf_per_device_after_unscale():
-    model = _with_grads()
-    model.weight.grad[0, 0] = float("inf")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = _scaled(torch.amp.GradScaler("cpu", init_scale=4.0))
-    scaler.unscale_(optimizer)
-    found = scaler._found_inf_per_device(optimizer)
-    assert list(found) == [torch.device("cpu")] and found[torch.device("cpu")].item() == 1.0
-    assert torch.equal(model.bias.grad, torch.full_like(model.bias, 0.25))  # unscaled by 1/4
-
-
 def test_grad_scaler_gives_its_scale_as_a_tensor_without_reading_it():
     scale = _scaled(torch.amp.GradScaler("cpu", init_scale=8.0))._get_scale_async()
     assert isinstance(scale, torch.Tensor) and scale.item() == 8.0
 
 
-def test_clearing_the_scalers_per_optimizer_states_lets_it_unscale_again():
-    optimizer = torch.optim.SGD(_with_grads().parameters(), lr=0.1)
-    scaler = _scaled(torch.amp.GradScaler("cpu", init_scale=4.0))
-    scaler.unscale_(optimizer)
-    with pytest.raises(RuntimeError, match="unscale_"):
-        scaler.unscale_(optimizer)
-    scaler._per_optimizer_states.clear()
-    scaler.unscale_(optimizer)  # no "already been called" error
+def test_a_grad_scalers_update_from_our_own_flag_backs_off_and_grows():
+    """torch._amp_update_scale_ on GradScaler's own tensors and settings, as GradScaler.update() calls it."""
+    scaler = _scaled(torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2))
+    torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, torch.ones(()), scaler._growth_factor,
+                             scaler._backoff_factor, scaler._growth_interval)
+    assert scaler.get_scale() == 4.0
+    for _ in range(2):
+        torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, torch.zeros(()), scaler._growth_factor,
+                                 scaler._backoff_factor, scaler._growth_interval)
+    assert scaler.get_scale() == 8.0 and scaler.state_dict()["_growth_tracker"] == 0
 
 
 _FP32_EDGES, _FP16_EDGES = [1e-45, -0.0, 3e38, -1.5], [6e-8, -0.0, 65504.0, -1.5]

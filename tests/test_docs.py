@@ -19,7 +19,8 @@ def synthetic_mnist(root, train=True, download=False, transform=None):
     return TensorDataset(torch.randn(n, 1, 28, 28, generator=generator), torch.randint(0, 10, (n,), generator=generator))
 
 
-@pytest.mark.parametrize("page", ["getting-started.md", "training-loop.md", "porting.md", "diagnostics.md"])
+@pytest.mark.parametrize("page", ["getting-started.md", "training-loop.md", "porting.md", "diagnostics.md",
+                                  "custom-policies.md"])
 def test_the_pages_examples_run(page, tmp_path, monkeypatch):
     import torchvision.datasets
 

@@ -2,6 +2,7 @@
 skipped step, no host sync on CUDA), the consecutive-skip limit, and the loss scale."""
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ from torch import nn
 from conftest import (B, batch, batches, mk, opt_state, params_of, pure_bf16, same_models, same_params, same_state,
                       steps_without_host_sync, tiny_mlp, unfrozen_late)
 
-from precisionloop import FP16Policy, Trainer
+from precisionloop import BF16Policy, FP16Policy, Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -79,6 +80,45 @@ def test_a_nan_loss_with_finite_gradients_skips_the_step(precision, accum):
     assert trainer.stats.scale == (scale / 2 if precision == "fp16" else None)
     with pytest.raises(RuntimeError, match="2 optimizer steps in a row were skipped for non-finite gradients or loss"):
         [trainer.step(ignored) for _ in range(accum)]
+
+
+def spike_policy(base, max_norm):
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class SkipSpikes(base):  # what docs/custom-policies.md shows
+        max_norm: float
+
+        def should_skip(self, nonfinite, grad_norm):
+            return torch.maximum(nonfinite, (grad_norm() > self.max_norm).float())
+
+    return SkipSpikes(max_norm=max_norm, **({"init_scale": 8.0} if base is FP16Policy else {}))
+
+
+@pytest.mark.parametrize("clip", [None, 100.0])
+@pytest.mark.parametrize("base", [FP16Policy, BF16Policy])
+def test_a_policy_skips_a_finite_step_whose_gradient_norm_spikes_without_backing_off(base, clip):
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), spike_policy(base, 5.0), device="cpu",
+                      max_grad_norm=clip, max_consecutive_skips=2)
+    x, y = batches(1)[0]
+    assert trainer.step((x, y)).stepped
+    before, state = copy.deepcopy(model.state_dict()), opt_state(trainer.optimizer)
+    result = trainer.step((x * 100, y))
+    assert result.skipped and result.grad_norm > 5.0 and trainer.stats.skipped == 1
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and same_state(opt_state(trainer.optimizer), state)
+    assert result.scale == (8.0 if base is FP16Policy else None)  # a finite skip backs off no loss scale
+    with pytest.raises(RuntimeError, match="2 optimizer steps in a row were skipped by the policy's should_skip"):
+        trainer.step((x * 100, y))
+
+
+@pytest.mark.gpu
+def test_a_policy_judging_the_gradient_norm_adds_no_host_sync():
+    model = tiny_mlp()
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), spike_policy(BF16Policy, 5.0),
+                      device="cuda")
+    data = [trainer.to_device((x * k, y)) for k, (x, y) in zip([1, 1, 100, 1], batches(4))]
+    trainer.step(data[0])
+    results = steps_without_host_sync(trainer, data[1:])
+    assert [r.skipped for r in results] == [False, True, False] and trainer.stats.skipped == 1
 
 
 def test_scale_grows_after_growth_interval():
