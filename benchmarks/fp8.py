@@ -9,7 +9,7 @@ Parts (comma-separated with --part):
 - ``speed``: the recipe's Transformer stack at ``--size`` (``reference``: 4 layers, d_model 2048, d_ff
   8192; ``large``: d_model 4096, d_ff 16384, 32 heads, 877M parameters; 8 x 1024 tokens), ``Trainer``
   bf16 compiled against ``Trainer`` ``FP8Policy()`` compiled in interleaved rounds, a fresh instance each,
-  pipelined on CUDA (``measure.time_block``); fp8's speed-up, paired per round.
+  pipelined on CUDA (``timing.time_block``); fp8's speed-up, paired per round.
 - ``transformer``: the Transformer stack at ``--size``, ``precisionloop.autotune`` over bf16 compiled and
   ``FP8Policy()`` compiled, timed in interleaved rounds (plus its strict-fp32 loss reference); the
   speed-ups are paired per round against bf16 compiled.
@@ -37,10 +37,10 @@ from torch import nn
 
 from precisionloop import FP8Policy, Trainer, autotune, get_policy
 from precisionloop import fp8 as fp8_module
-from precisionloop.measure import (Run, choose_method, format_memory, format_ratio, format_time, interleaved,
-                                   paired_ratio)
+from precisionloop.measure import Run, format_memory, format_time
 from precisionloop.recipes import models
 from precisionloop.recipes import resnet18_bench as bench
+from precisionloop.recipes.timing import choose_method, format_ratio, interleaved, paired_ratio
 from precisionloop.tuning import Candidate
 
 PARTS = ("speed", "transformer", "vit_b_16", "resnet18", "loss")

@@ -37,8 +37,9 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 from precisionloop import Trainer
-from precisionloop.measure import format_ratio, format_time, paired_ratio
+from precisionloop.measure import format_time
 from precisionloop.recipes import resnet18_bench as bench
+from precisionloop.recipes.timing import format_ratio, paired_ratio
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, on the 0-1 scale
 IMAGE_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}

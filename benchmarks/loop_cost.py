@@ -7,7 +7,7 @@
 For each configuration the hand loop (autocast, backward, optimizer step, no skip check),
 ``Trainer.step`` and ``Trainer.fit`` (epochs of --fit-steps batches, progress bar on; per-step
 time = epoch time / steps) train the same model on the same device-resident batch, timed by
-``measure.interleaved``: eager steps alternating step by step or in --blocks blocks, compiled steps on CUDA
+``timing.interleaved``: eager steps alternating step by step or in --blocks blocks, compiled steps on CUDA
 back to back (pipelined), fit epoch by epoch. The cost is the per-round ratio to the hand loop, paired in time.
 """
 
@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 import precisionloop
-from precisionloop.measure import Run, choose_method, format_ratio, format_time, interleaved, paired_ratio
+from precisionloop.measure import Run, format_time
 from precisionloop.recipes import resnet18_bench as bench
+from precisionloop.recipes.timing import choose_method, format_ratio, interleaved, paired_ratio
 
 OPTIMIZERS = {
     "fused-sgd": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, fused=True),
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--blocks", type=int, default=None,
-                   help="alternating blocks per round (measure.interleaved); default: step by step (fit: epoch by "
+                   help="alternating blocks per round (timing.interleaved); default: step by step (fit: epoch by "
                         "epoch), at most --iters (fit: --fit-epochs); 1 runs the systems one after the other")
     p.add_argument("--iters", type=int, default=40, help="timed steps (fit: timed epochs) per round")
     p.add_argument("--warmup", type=int, default=10)

@@ -6,7 +6,7 @@ Each system trains the same torchvision model on the same random batch with the 
 (momentum 0.9; fused on CUDA unless --no-fused). The systems compared with each other (per batch
 size and precision: precisionloop, the hand loop, and each peer; a peer's TF32 fp32 goes with our
 tf32, or with our fp32 on a device without TF32) are timed together by
-``precisionloop.measure.interleaved``: --rounds rounds, a fresh model and optimizer per system and
+``precisionloop.recipes.timing.interleaved``: --rounds rounds, a fresh model and optimizer per system and
 round, the order rotated each round; the median over rounds is reported with its min-max spread,
 and ratios pair the rounds in time. Every peer runs with TF32 and cudnn.benchmark on, so the peers
 get the flags precisionloop's tf32/bf16/fp16 policies use.
@@ -30,8 +30,9 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import FP32Policy
-from precisionloop.measure import Run, format_memory, format_ratio, format_time, interleaved, paired_ratio
+from precisionloop.measure import Run, format_memory, format_time
 from precisionloop.recipes import resnet18_bench as bench
+from precisionloop.recipes.timing import format_ratio, interleaved, paired_ratio
 
 FABRIC = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 ACCELERATE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}

@@ -12,12 +12,10 @@ from typing import Callable, ContextManager, Iterable, Mapping
 
 import torch
 
-__all__ = ["NOISY_SPREAD", "METHODS", "Run", "Measurement", "time_steps", "time_block", "reset_memory", "peak_mb",
-           "interleaved", "choose_method", "paired_ratio", "format_time", "format_ratio", "format_memory",
-           "noisy_legend"]
+__all__ = ["NOISY_SPREAD", "Run", "Measurement", "warm_up", "sync", "time_steps", "reset_memory", "peak_mb", "as_run",
+           "error_text", "run_alone", "interleaved", "format_time", "format_memory", "noisy_legend"]
 
 NOISY_SPREAD = 0.10  # a measurement whose (max - min) / median over rounds exceeds this is flagged as noisy
-METHODS = ("pipelined", "alternating", "alone")  # interleaved(pipelined=True), (blocks > 1), or neither
 
 
 @dataclasses.dataclass
@@ -59,21 +57,22 @@ class Measurement:
                 "max_ms": self.max_ms, "spread": self.spread, "noisy": self.noisy}
 
 
-def _warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
+def warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
     """``warmup`` untimed steps; on CUDA the cache is emptied and the peaks restarted after the first and before the
     last, so the peaks are a steady-state step's (cuDNN's trials and the optimizer state's creation dropped)."""
     before = warmup - 1 if warmup >= 2 else warmup
     for _ in range(before):
         step()
     if device.type == "cuda" and warmup:  # never between the blocks of alternating steps: the cache stays warm
-        _sync(device)
+        sync(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup - before):
         step()
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on a CUDA device; nothing elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -82,15 +81,15 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
                timer: Callable[[], float] = time.perf_counter) -> list[float]:
     """``warmup`` untimed steps, then ``iters`` step times in ms. On CUDA, events around each step with nothing
     waiting between steps, each queued while the one before runs (a training loop's steady state); else ``timer``."""
-    _warm_up(step, warmup, device)
+    warm_up(step, warmup, device)
     if device.type == "cuda":
-        _sync(device)
+        sync(device)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
         for start, end in events:
             start.record()
             step()
             end.record()
-        _sync(device)
+        sync(device)
         return [start.elapsed_time(end) for start, end in events]
     times = []
     for _ in range(iters):
@@ -100,23 +99,11 @@ def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: t
     return times
 
 
-def time_block(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
-               timer: Callable[[], float] = time.perf_counter) -> float:
-    """``warmup`` untimed steps, then ``iters`` back to back with one sync at the end: the block's ms over ``iters``."""
-    _warm_up(step, warmup, device)
-    _sync(device)
-    start = timer()
-    for _ in range(iters):
-        step()
-    _sync(device)
-    return (timer() - start) * 1e3 / iters
-
-
 def reset_memory(device: torch.device) -> None:
     """Free what can be freed and, on CUDA, restart the peak-memory counters."""
     gc.collect()
     if device.type == "cuda":
-        _sync(device)
+        sync(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -126,87 +113,59 @@ def peak_mb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
-def _as_run(made: Callable[[], object] | Run) -> Run:
+def as_run(made: Callable[[], object] | Run) -> Run:
+    """What a factory returned, as a :class:`Run`."""
     return made if isinstance(made, Run) else Run(made)
 
 
-def _error_text(e: Exception) -> str:
+def error_text(e: Exception) -> str:
+    """A failing system's error, as the measurement records it."""
     return f"{type(e).__name__}: {e}"  # text, not the exception: its frames would keep the instance alive
 
 
-def _run_alone(factory: Callable, iters: int, warmup: int, device: torch.device, timer, pipelined: bool):
-    """Build one instance and time it: (ms per step, peak MB, reserved MB), or its error as text."""
+def run_alone(factory: Callable, time_step: Callable[[Callable[[], object]], float], device: torch.device):
+    """Build one instance and time its step by ``time_step(step)`` (ms): (ms, peak MB, reserved MB), or its error as
+    text."""
     try:
         reset_memory(device)
-        run = _as_run(factory())
+        run = as_run(factory())
         try:
             with run.enter():
-                if pipelined:
-                    ms = time_block(run.step, iters=iters, warmup=warmup, device=device, timer=timer)
-                else:
-                    ms = statistics.median(time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer))
+                ms = time_step(run.step)
         finally:
             if run.teardown is not None:
                 run.teardown()
         reserved = torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
         return ms, peak_mb(device), reserved
     except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
-        return _error_text(e)
-
-
-def _alternating_round(factories: Mapping[str, Callable], iters: int, warmup: int, blocks: int,
-                       device: torch.device, timer) -> dict:
-    """Build and warm up every system, then alternate their timed steps in ``blocks`` blocks (rotated per block)."""
-    runs, times, out, peaks = {}, {}, {}, {}
-    try:
-        for name, factory in factories.items():
-            try:  # the peak over a warm-up step, less what the systems built before hold
-                base = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else None
-                runs[name] = _as_run(factory())
-                with runs[name].enter():
-                    _warm_up(runs[name].step, warmup, device)
-                peaks[name] = None if base is None else peak_mb(device) - base
-                times[name] = []
-            except Exception as e:  # noqa: BLE001 - as in _run_alone
-                out[name] = _error_text(e)
-        for b in range(blocks):
-            names = list(times)
-            for name in names[b % len(names):] + names[:b % len(names)] if names else []:
-                try:
-                    with runs[name].enter():
-                        times[name] += time_steps(runs[name].step, iters=iters // blocks + (b < iters % blocks),
-                                                  warmup=0, device=device, timer=timer)
-                except Exception as e:  # noqa: BLE001 - as above
-                    out[name] = _error_text(e)
-                    del times[name]
-        return {**out, **{name: (statistics.median(t), peaks[name], None) for name, t in times.items()}}
-    finally:
-        for run in runs.values():
-            if run.teardown is not None:
-                run.teardown()
+        return error_text(e)
 
 
 def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int, warmup: int, device: torch.device,
-                blocks: int = 1, pipelined: bool = False, on_run: Callable[[int, str], None] | None = None,
-                timer: Callable[[], float] = time.perf_counter) -> dict[str, Measurement]:
+                on_run: Callable[[int, str], None] | None = None, timer: Callable[[], float] = time.perf_counter,
+                time_round: Callable[[dict[str, Callable]], dict] | None = None,
+                method: str = "alone") -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated left by the round.
 
-    Alone by default (the round's figure is the median step); ``pipelined=True`` times the steps back to back;
-    ``blocks=k`` builds the round's systems side by side and alternates their timed steps in ``k`` blocks, so a
-    drifting host moves them alike (each peak taken over its warm-up, less what the systems built before hold). A
-    system that raises gets ``error`` and is not run again.
+    Each system is built and timed alone, its round's figure the median step. A system that raises gets ``error``
+    and is not run again.
 
     Args:
         systems: name -> factory building a fresh model and optimizer, returning a step callable or a :class:`Run`.
         on_run: called as ``on_run(round_index, name)`` before each round's systems are built.
+        time_round: another method, recorded as ``method`` in the settings: given a round's factories in order, it
+            returns per name (ms per step, peak MB, reserved MB) or the error's text, as :func:`run_alone` does.
 
     Raises:
-        ValueError: ``rounds`` or ``iters`` below 1, ``warmup`` below 0, ``blocks`` outside 1..iters (or pipelined).
+        ValueError: ``rounds`` or ``iters`` below 1, or ``warmup`` below 0.
     """
-    if rounds < 1 or iters < 1 or warmup < 0 or not 1 <= blocks <= iters or (pipelined and blocks != 1):
-        raise ValueError(f"interleaved needs rounds >= 1, iters >= 1, warmup >= 0 and 1 <= blocks <= iters (1 when "
-                         f"pipelined); got rounds={rounds}, iters={iters}, warmup={warmup}, blocks={blocks}")
-    method = "pipelined" if pipelined else "alternating" if blocks > 1 else "alone"
+    if rounds < 1 or iters < 1 or warmup < 0:
+        raise ValueError(f"interleaved needs rounds >= 1, iters >= 1 and warmup >= 0; got rounds={rounds}, "
+                         f"iters={iters}, warmup={warmup}")
+
+    def median_step(step: Callable[[], object]) -> float:
+        return statistics.median(time_steps(step, iters=iters, warmup=warmup, device=device, timer=timer))
+
     settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device), "method": method}
     results = {name: Measurement(name, settings=dict(settings)) for name in systems}
     names = list(systems)
@@ -214,10 +173,10 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
         order = [n for n in names[r % len(names):] + names[:r % len(names)] if results[n].error is None]
         for name in order if on_run else ():
             on_run(r, name)
-        if blocks > 1:
-            got = _alternating_round({n: systems[n] for n in order}, iters, warmup, blocks, device, timer)
+        if time_round is not None:
+            got = time_round({n: systems[n] for n in order})
         else:
-            got = {n: _run_alone(systems[n], iters, warmup, device, timer, pipelined) for n in order}
+            got = {n: run_alone(systems[n], median_step, device) for n in order}
         for name, result in got.items():
             m = results[name]
             if isinstance(result, str):
@@ -231,39 +190,12 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
     return results
 
 
-def choose_method(device: torch.device, compiled: bool) -> tuple[str, str]:
-    """The method in :data:`METHODS` that times a step as a training loop sees it, and why."""
-    if device.type != "cuda":
-        return "alone", "off CUDA the wall clock times each step"
-    if compiled:
-        return "pipelined", ("compiled: a step started on an idle GPU adds the host time before its first kernel, "
-                             "which a training loop hides behind the step before")
-    return "alternating", "eager on CUDA: the host's speed drifts within a second, and alternating moves all alike"
-
-
-def paired_ratio(a: Measurement, b: Measurement) -> tuple[float, float, float]:
-    """(median, min, max) of ``a.rounds_ms[i] / b.rounds_ms[i]``, two measurements of one :func:`interleaved` call.
-
-    Raises:
-        ValueError: either has no rounds, or their round counts differ.
-    """
-    if not a.rounds_ms or len(a.rounds_ms) != len(b.rounds_ms):
-        raise ValueError(f"paired_ratio needs the same rounds; got {len(a.rounds_ms)} and {len(b.rounds_ms)}")
-    ratios = [x / y for x, y in zip(a.rounds_ms, b.rounds_ms)]
-    return statistics.median(ratios), min(ratios), max(ratios)
-
-
 def format_time(m) -> str:
     """"10.71 ms [10.5-11.0]" (median [min-max] over rounds), " !" appended when noisy; "-" if unmeasured."""
     if m.median_ms is None:
         return "-"
     d = 1 if m.min_ms >= 10 else 2 if m.min_ms >= 1 else 3
     return f"{m.median_ms:.2f} ms [{m.min_ms:.{d}f}-{m.max_ms:.{d}f}]" + (" !" if m.noisy else "")
-
-
-def format_ratio(ratio: tuple[float, float, float]) -> str:
-    """"0.980x [0.950-1.010]" from a :func:`paired_ratio` result."""
-    return "{:.3f}x [{:.3f}-{:.3f}]".format(*ratio)
 
 
 def format_memory(m) -> str:

@@ -1,4 +1,5 @@
-"""precisionloop.measure: interleaved rounds, spread, paired ratios, the methods. CPU only; no timing thresholds."""
+"""precisionloop.measure (interleaved rounds, spread) and precisionloop.recipes.timing (the methods, paired ratios). CPU
+only; no timing thresholds."""
 
 import json
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 
 from precisionloop import measure
-from precisionloop.measure import Measurement, Run, interleaved, paired_ratio
+from precisionloop.measure import Measurement, Run, interleaved
+from precisionloop.recipes import timing
+from precisionloop.recipes.timing import paired_ratio
 
 CPU = torch.device("cpu")
 
@@ -71,7 +74,7 @@ def test_time_steps_and_time_block_warm_up_untimed():
 
     assert measure.time_steps(step, iters=2, warmup=3, device=CPU, timer=clock) == pytest.approx([8.0, 10.0])
     steps.clear()
-    assert measure.time_block(step, iters=2, warmup=3, device=CPU, timer=clock) == pytest.approx((8.0 + 10.0) / 2)
+    assert timing.time_block(step, iters=2, warmup=3, device=CPU, timer=clock) == pytest.approx((8.0 + 10.0) / 2)
     assert len(steps) == 5
 
 
@@ -92,8 +95,8 @@ def test_run_context_and_teardown_wrap_each_instance():
     assert events == ["enter", "step", "step", "exit", "teardown"] * 2
     events.clear()
     # A context factory (a class too) is called for a fresh context each time.
-    interleaved({"a": lambda: Run(lambda: events.append("step"), context=Flags)}, rounds=1, iters=2, warmup=1,
-                device=CPU, timer=clock, blocks=2)
+    timing.interleaved({"a": lambda: Run(lambda: events.append("step"), context=Flags)}, rounds=1, iters=2,
+                       warmup=1, device=CPU, timer=clock, blocks=2)
     assert events == ["enter", "step", "exit", "enter", "step", "exit", "enter", "step", "exit"]
 
 
@@ -117,8 +120,8 @@ def test_a_failing_system_is_an_error_and_the_others_are_measured(blocks):
             raise RuntimeError("step broke")
         return Run(step, teardown=lambda: torn_down.append(1))
 
-    result = interleaved({"oom": oom, "ok": synthetic(clock, [5.0], ok_calls), "bad": bad_step},
-                         rounds=3, iters=2, warmup=0 if blocks == 1 else 1, device=CPU, timer=clock, blocks=blocks)
+    result = timing.interleaved({"oom": oom, "ok": synthetic(clock, [5.0], ok_calls), "bad": bad_step}, rounds=3,
+                                iters=2, warmup=0 if blocks == 1 else 1, device=CPU, timer=clock, blocks=blocks)
     assert result["oom"].error.startswith("OutOfMemoryError: CUDA out of memory") and result["oom"].median_ms is None
     assert len(oom_calls) == 1  # not rebuilt after failing
     assert result["bad"].error == "RuntimeError: step broke" and torn_down == [1]
@@ -133,8 +136,8 @@ def test_blocks_alternate_the_timed_steps_and_rotate_by_block():
             return lambda: log.append(name)
         return factory
 
-    got = interleaved({"A": system("A"), "B": system("B")}, rounds=1, iters=4, warmup=1, device=CPU, timer=clock,
-                      blocks=4)
+    got = timing.interleaved({"A": system("A"), "B": system("B")}, rounds=1, iters=4, warmup=1, device=CPU, timer=clock,
+                             blocks=4)
     assert log == ["A", "B"] + ["A", "B", "B", "A", "A", "B", "B", "A"]  # warm-ups, then four blocks of one step
     assert got["A"].settings["method"] == "alternating" and got["A"].peak_mb is None
 
@@ -154,8 +157,8 @@ def test_alternating_pairs_systems_in_time_so_a_drifting_host_cancels_out():
     alone = interleaved({"a": _drifting(clock, 10.0), "b": _drifting(clock, 10.0)}, rounds=2, iters=10, warmup=1,
                         device=CPU, timer=clock)
     clock = FakeClock()
-    stepwise = interleaved({"a": _drifting(clock, 10.0), "b": _drifting(clock, 10.0)}, rounds=2, iters=10, warmup=1,
-                           device=CPU, timer=clock, blocks=10)
+    stepwise = timing.interleaved({"a": _drifting(clock, 10.0), "b": _drifting(clock, 10.0)}, rounds=2, iters=10,
+                                  warmup=1, device=CPU, timer=clock, blocks=10)
     assert abs(paired_ratio(stepwise["a"], stepwise["b"])[0] - 1) < abs(paired_ratio(alone["a"], alone["b"])[0] - 1)
 
 
@@ -183,8 +186,8 @@ def test_pipelined_recovers_the_steady_state_that_step_by_step_alternation_over_
     clock = FakeClock()
     a, b = ColdStartSystem(clock, 8.0, 3.0), ColdStartSystem(clock, 10.0, 3.0)
     systems = {"a": a.factory, "b": b.factory}
-    stepwise = interleaved(systems, rounds=3, iters=6, warmup=2, device=CPU, timer=clock, blocks=6)
-    pipelined = interleaved(systems, rounds=3, iters=6, warmup=2, device=CPU, timer=clock, pipelined=True)
+    stepwise = timing.interleaved(systems, rounds=3, iters=6, warmup=2, device=CPU, timer=clock, blocks=6)
+    pipelined = timing.interleaved(systems, rounds=3, iters=6, warmup=2, device=CPU, timer=clock, pipelined=True)
     # Step by step every timed step starts on an idle device and pays the idle start in full ...
     assert stepwise["a"].rounds_ms == pytest.approx([11.0] * 3) and stepwise["b"].rounds_ms == pytest.approx([13.0] * 3)
     # ... back to back only the block's first step does, spread over its 6 steps.
@@ -198,8 +201,9 @@ def test_pipelined_recovers_the_steady_state_that_step_by_step_alternation_over_
                                     dict(blocks=2, pipelined=True)])
 def test_bad_counts_are_refused_before_anything_is_built(kwargs):
     built = []
+    timed = timing.interleaved if "blocks" in kwargs else interleaved
     with pytest.raises(ValueError, match="interleaved needs"):
-        interleaved({"a": lambda: built.append(1) or (lambda: None)}, device=CPU, **{"iters": 4, "warmup": 1, **kwargs})
+        timed({"a": lambda: built.append(1) or (lambda: None)}, device=CPU, **{"iters": 4, "warmup": 1, **kwargs})
     assert built == []
 
 
@@ -209,18 +213,18 @@ def test_formatting_marks_noisy_measurements_and_explains_the_mark():
     assert measure.format_time(noisy) == "10.00 ms [10.0-13.0] !"
     assert measure.format_time(Measurement("e", error="boom")) == "-"
     assert measure.noisy_legend([quiet]) == "" and "10%" in measure.noisy_legend([quiet, noisy])
-    assert measure.format_ratio((0.98, 0.95, 1.01)) == "0.980x [0.950-1.010]"
+    assert timing.format_ratio((0.98, 0.95, 1.01)) == "0.980x [0.950-1.010]"
     assert measure.format_memory(Measurement("m", peak_mb=45.2)) == "45 MB"
     assert measure.format_memory(Measurement("m")) == "n/a"
 
 
 def test_the_method_is_chosen_by_what_is_timed():
     cuda = torch.device("cuda")
-    assert measure.choose_method(cuda, compiled=True)[0] == "pipelined"
-    assert measure.choose_method(cuda, compiled=False)[0] == "alternating"
-    assert measure.choose_method(CPU, compiled=True)[0] == measure.choose_method(CPU, compiled=False)[0] == "alone"
-    assert all(measure.choose_method(d, c)[1] for d in (cuda, CPU) for c in (True, False))  # a reason each
-    assert {measure.choose_method(d, c)[0] for d in (cuda, CPU) for c in (True, False)} == set(measure.METHODS)
+    assert timing.choose_method(cuda, compiled=True)[0] == "pipelined"
+    assert timing.choose_method(cuda, compiled=False)[0] == "alternating"
+    assert timing.choose_method(CPU, compiled=True)[0] == timing.choose_method(CPU, compiled=False)[0] == "alone"
+    assert all(timing.choose_method(d, c)[1] for d in (cuda, CPU) for c in (True, False))  # a reason each
+    assert {timing.choose_method(d, c)[0] for d in (cuda, CPU) for c in (True, False)} == set(timing.METHODS)
     assert measure.peak_mb(CPU) is None
 
 
@@ -234,6 +238,6 @@ def test_on_cuda_a_system_alone_reports_its_peak_and_reserve_of_the_steady_state
         return lambda: model(x).sum().backward()
 
     for pipelined in (False, True):
-        got = interleaved({"a": factory}, rounds=2, iters=5, warmup=2, device=device, pipelined=pipelined)["a"]
+        got = timing.interleaved({"a": factory}, rounds=2, iters=5, warmup=2, device=device, pipelined=pipelined)["a"]
         assert len(got.rounds_ms) == 2 and all(ms > 0 for ms in got.rounds_ms)
         assert got.reserved_mb >= got.peak_mb > 0

@@ -2,9 +2,9 @@
 
 Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. ``Trainer.step`` is timed beside a
 hand-written torch.amp loop with the same settings, in interleaved rounds of fresh instances
-(:func:`precisionloop.measure.interleaved`), by the method that fits what is timed (``--method``): on CUDA compiled
-steps back to back, eager steps alternating between the systems step by step; on the CPU one system after the
-other. Each figure is the median over rounds [min-max], with its speed-up over tf32 (strict fp32 without TF32).
+(:func:`precisionloop.recipes.timing.interleaved`), by the method that fits what is timed (``--method``): on CUDA
+compiled steps back to back, eager steps alternating between the systems step by step; on the CPU one system after
+the other. Each figure is the median over rounds [min-max], with its speed-up over tf32 (strict fp32 without TF32).
 ``--model transformer`` times a Linear-heavy decoder stack (:mod:`precisionloop.recipes.models`) on random tokens.
 """
 
@@ -24,9 +24,9 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import FP8Policy, PrecisionPolicy, Trainer, autotune, get_policy
-from precisionloop.measure import (METHODS, Measurement, Run, choose_method, format_memory, format_ratio, format_time,
-                                   interleaved, noisy_legend, paired_ratio)
+from precisionloop.measure import Measurement, Run, format_memory, format_time, noisy_legend
 from precisionloop.recipes import max_batch, models
+from precisionloop.recipes.timing import METHODS, choose_method, format_ratio, interleaved, paired_ratio
 from precisionloop.tuning import Candidate
 
 __all__ = ["PRECISIONS", "TRANSFORMER", "OPTIMIZERS", "Result", "environment", "check_output", "parse_device", "build_model", "make_model", "make_batch",
@@ -315,7 +315,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per round (default 15 on CUDA, 2 on the CPU)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, a fresh model and optimizer each (default 3)")
     p.add_argument("--method", choices=("auto", *METHODS), default="auto",
-                   help="how a round times its systems (measure.interleaved); auto: pipelined for compiled steps on "
+                   help="how a round times its systems (timing.interleaved); auto: pipelined for compiled steps on "
                         "CUDA, alternating step by step for eager ones, alone on the CPU")
     p.add_argument("--image-size", type=int, default=None, help="input side in pixels (default 224 on CUDA, 112 on the CPU)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
