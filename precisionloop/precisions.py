@@ -11,7 +11,7 @@ from . import _compat
 from .fp8 import FP8Policy
 from .policy import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy, cuda_bf16_native, resolve_device
 
-__all__ = ["PRECISIONS", "get_policy"]
+__all__ = ["PRECISIONS", "get_policy", "default_precisions"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,13 @@ _ALIASES = {
     "float8": "fp8", "8": "fp8",
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
 }
+
+
+def default_precisions(device_type: str) -> list[str]:
+    """The precisions autotune and the benchmark compare by default, in order; tf32 and fp16 only on CUDA."""
+    # Not bf16-pure (bf16 weights, a rounding optimizer) nor fp8 (torchao, compiled): added where asked for. Off CUDA
+    # there is no TF32, and fp16 autocast on the CPU is about 20x slower than fp32.
+    return [name for name in ("fp32", "tf32", "bf16", "fp16") if device_type == "cuda" or name in ("fp32", "bf16")]
 
 
 def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | torch.device | None = None) -> PrecisionPolicy:

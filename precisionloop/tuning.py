@@ -14,7 +14,7 @@ from torch import nn
 
 from . import fp8, measure
 from .policy import PrecisionPolicy, resolve_device
-from .precisions import get_policy
+from .precisions import default_precisions, get_policy
 
 __all__ = ["Candidate", "CandidateResult", "AutotuneResult", "default_candidates", "tune", "optimizer_like"]
 
@@ -82,7 +82,7 @@ def default_candidates(model: nn.Module, device: str | torch.device | None = Non
     """fp32, tf32, bf16 and fp16 (tf32 and fp16 only on CUDA), both layouts for conv models, compiled too if asked;
     with ``compile``, ``FP8Policy()`` compiled where fp8 runs (eager, torchao's casts make it slower than bf16)."""
     device = resolve_device(device)
-    precisions = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
+    precisions = default_precisions(device.type)
     layouts = [True, False] if any(isinstance(m, nn.Conv2d) for m in model.modules()) else [None]
     compiles = [False, True] if compile else [False]
     candidates = [Candidate(p, layout, c) for p in precisions for layout in layouts for c in compiles]

@@ -25,15 +25,15 @@ from tqdm import tqdm
 
 from precisionloop import FP8Policy, PrecisionPolicy, Trainer, autotune, get_policy
 from precisionloop.measure import Measurement, Run, format_memory, format_time, noisy_legend
+from precisionloop.precisions import default_precisions
 from precisionloop.recipes import max_batch, models
 from precisionloop.recipes.timing import METHODS, choose_method, format_ratio, interleaved, paired_ratio
 from precisionloop.tuning import Candidate
 
-__all__ = ["PRECISIONS", "TRANSFORMER", "OPTIMIZERS", "Result", "environment", "check_output", "parse_device", "build_model", "make_model", "make_batch",
+__all__ = ["TRANSFORMER", "OPTIMIZERS", "Result", "environment", "check_output", "parse_device", "build_model", "make_model", "make_batch",
            "random_batch", "loss_of", "make_optimizer", "hand_loop_step", "policy_for", "compile_for", "graphed",
            "system_factory", "settings_of", "format_table", "format_wrapper_cost", "parse_args", "main"]
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 TRANSFORMER = "transformer"
 OPTIMIZERS = {"sgd": "SGD momentum 0.9", "adamw": "AdamW"}
 
@@ -309,8 +309,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default 32,128 on CUDA, 8 on the CPU; "
                                                       "for the transformer 8 on CUDA, 4 on the CPU)")
     p.add_argument("--precisions", default=None,
-                   help=f"comma-separated among {','.join(PRECISIONS)},fp8 (default: those the device runs, fp16 "
-                        "left out on the CPU, where its autocast is ~20x slower); fp8 is always timed compiled")
+                   help=f"comma-separated among {','.join(default_precisions('cuda'))},fp8 (default: those the device "
+                        "runs, fp16 left out on the CPU, where its autocast is ~20x slower); fp8 is always timed "
+                        "compiled")
     p.add_argument("--iters", type=int, default=None, help="timed steps per round (default 50 on CUDA, 15 on the CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per round (default 15 on CUDA, 2 on the CPU)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, a fresh model and optimizer each (default 3)")
@@ -349,7 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tf32 = cuda and torch.cuda.get_device_capability(device) >= (8, 0)
     args.baseline = "tf32" if tf32 else "fp32"
     native_bf16 = cuda or get_policy("auto", device).name == "bf16"  # emulated bf16 is ~10x slower than fp32
-    given = args.precisions or ",".join(n for n in PRECISIONS if (n != "tf32" or tf32) and (n != "fp16" or cuda)
+    given = args.precisions or ",".join(n for n in default_precisions(device.type) if (n != "tf32" or tf32)
                                         and (n != "bf16" or native_bf16))
     args.precisions = list(dict.fromkeys(s.strip() for s in given.split(",") if s.strip()))
     for name in args.precisions:
