@@ -25,7 +25,8 @@ from torch import nn
 
 from loop_cost import load_before  # the sibling script
 import precisionloop
-from precisionloop.measure import Run, choose_method, format_ratio, format_time, interleaved, noisy_legend, paired_ratio
+from precisionloop.measure import Run, format_time, noisy_legend
+from precisionloop.recipes.timing import choose_method, format_ratio, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
 
 VOCAB = 65  # shakespeare-char's characters
