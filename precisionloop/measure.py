@@ -1,5 +1,4 @@
-"""Time training steps in interleaved rounds of fresh instances (cuDNN picks kernels per instance): a median with
-its spread, and CUDA's peak memory. Imports torch and the stdlib only."""
+"""Autotune's timing: training steps in interleaved rounds of fresh instances (cuDNN picks kernels per instance)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ NOISY_SPREAD = 0.10  # a measurement whose (max - min) / median over rounds exce
 
 @dataclasses.dataclass
 class Run:
-    """What a factory may return instead of a bare step: ``context`` wraps the steps (a context manager, or a
-    callable returning a fresh one, as ``blocks > 1`` enters it per block); ``teardown`` runs after them."""
+    """A step, the ``context`` its steps run in (a context manager or a factory of fresh ones), a ``teardown`` after."""
 
     step: Callable[[], object]
     context: ContextManager | Callable[[], ContextManager] | None = None
@@ -45,8 +43,7 @@ class Measurement:
     settings: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
 
-    median_ms = property(lambda self: statistics.median(self.rounds_ms) if self.rounds_ms else None,
-                         doc="The median of the rounds' figures.")
+    median_ms = property(lambda self: statistics.median(self.rounds_ms) if self.rounds_ms else None)
     min_ms = property(lambda self: min(self.rounds_ms) if self.rounds_ms else None)
     max_ms = property(lambda self: max(self.rounds_ms) if self.rounds_ms else None)
     spread = property(lambda self: (self.max_ms - self.min_ms) / self.median_ms if self.median_ms else None)
@@ -60,15 +57,12 @@ class Measurement:
 def warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
     """``warmup`` untimed steps; on CUDA the cache is emptied and the peaks restarted after the first and before the
     last, so the peaks are a steady-state step's (cuDNN's trials and the optimizer state's creation dropped)."""
-    before = warmup - 1 if warmup >= 2 else warmup
-    for _ in range(before):
+    for i in range(warmup):
         step()
-    if device.type == "cuda" and warmup:  # never between the blocks of alternating steps: the cache stays warm
-        sync(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(warmup - before):
-        step()
+        if i == max(warmup - 2, 0) and device.type == "cuda":  # never between alternating blocks: the cache stays warm
+            sync(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def sync(device: torch.device) -> None:
@@ -124,8 +118,7 @@ def error_text(e: Exception) -> str:
 
 
 def run_alone(factory: Callable, time_step: Callable[[Callable[[], object]], float], device: torch.device):
-    """Build one instance and time its step by ``time_step(step)`` (ms): (ms, peak MB, reserved MB), or its error as
-    text."""
+    """Build one instance, time its step by ``time_step(step)``: (ms, peak MB, reserved MB), or its error as text."""
     try:
         reset_memory(device)
         run = as_run(factory())
@@ -147,8 +140,7 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
                 method: str = "alone") -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated left by the round.
 
-    Each system is built and timed alone, its round's figure the median step. A system that raises gets ``error``
-    and is not run again.
+    Each is timed alone, its figure the round's median step; a system that raises gets ``error`` and is not run again.
 
     Args:
         systems: name -> factory building a fresh model and optimizer, returning a step callable or a :class:`Run`.

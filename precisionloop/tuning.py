@@ -129,7 +129,9 @@ def tune(trainer_cls: type, model: nn.Module, make_optimizer: _OptimizerFactory,
         drift = all(r.rejected.startswith("loss drift") for r in results)
         raise RuntimeError(f"autotune: every candidate was rejected{': raise tolerance?' if drift else ''}\n"
                            + "\n".join(f"  {r.candidate.label}: {r.rejected}" for r in results))
-    best = _choose(accepted, model, device)
+    fast = min(accepted, key=lambda r: r.timing.median_ms).timing
+    tied = [r for r in accepted if r.timing.min_ms <= fast.max_ms and fast.min_ms <= r.timing.max_ms]
+    best = min(tied, key=lambda r: (_complexity(r.candidate, model, device), r.timing.median_ms)).candidate
     return AutotuneResult(best, best.policy(device), results, tolerance)
 
 
@@ -178,13 +180,6 @@ def _complexity(candidate: Candidate, model: nn.Module, device: torch.device) ->
     natural = conv and device.type == "cuda"  # what a policy with channels_last=None picks
     layout = natural if candidate.channels_last is None else (candidate.channels_last and conv)
     return int(bool(candidate.compile)), int(layout != natural)
-
-
-def _choose(accepted: list[CandidateResult], model: nn.Module, device: torch.device) -> Candidate:
-    """The fastest by median, unless a simpler candidate's spread overlaps the fastest's: then the simplest such."""
-    fastest = min(accepted, key=lambda r: r.timing.median_ms)
-    tied = [r for r in accepted if r.timing.min_ms <= fastest.timing.max_ms and fastest.timing.min_ms <= r.timing.max_ms]
-    return min(tied, key=lambda r: (_complexity(r.candidate, model, device), r.timing.median_ms)).candidate
 
 
 def optimizer_like(optimizer: torch.optim.Optimizer, model: nn.Module) -> _OptimizerFactory:
