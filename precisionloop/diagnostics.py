@@ -1,5 +1,4 @@
-"""What a lower-precision format does to a model's numbers: gradients, activations and weights that underflow or
-overflow in fp16, bf16 or fp8, the error of the round trip, and the updates a low-precision weight would lose."""
+"""What fp16, bf16 or fp8 does to a model's gradients, activations and weights, and the updates it would lose."""
 
 from __future__ import annotations
 
@@ -20,46 +19,41 @@ FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 """The formats :func:`precision_report` tests by default."""
 _AMAX_FLOOR = 1e-12  # torchao's: an all-zero tensor still gets a finite scale
 _NO_INF = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)  # they overflow past their largest value
-_STATS = ("underflow", "overflow", "error")
 
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _scaled(x: torch.Tensor, dtype: torch.dtype, scale: float | str) -> torch.Tensor:
-    """``x`` (fp32) times ``scale``, or torchao's amax scaling: the largest magnitude of the tensor or of each row
-    (rowwise factors rounded down to a power of two) maps to the format's largest finite value, saturating there."""
-    if not isinstance(scale, str):
-        return x * scale
-    limit = torch.finfo(dtype).max
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
-    finite = rows.abs().where(rows.isfinite(), 0.0)  # one inf or NaN does not decide every other value's scale
-    amax = finite.amax(dim=-1, keepdim=True) if scale == "rowwise" else finite.amax()
-    factor = (limit / amax.double().clamp(min=_AMAX_FLOOR)).float()  # float64 first, as torchao does
-    if scale == "rowwise":
-        factor = torch.exp2(torch.floor(torch.log2(factor)))
-    return (rows * factor).clamp(-limit, limit).reshape(x.shape)
-
-
-def _cast_counts(x: torch.Tensor, scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Of the finite nonzero values of ``x``: [count, become 0, land in subnormals, overflow, summed relative error
-    of the round trip over those that survive], float64 on ``x``'s device, from the real cast of ``scaled``."""
+def _cast_counts(x: torch.Tensor, dtype: torch.dtype, scale: float | str | None = None) -> torch.Tensor:
+    """Of the finite nonzero values of ``x`` (fp32): [count, become 0, land in subnormals, overflow, summed relative
+    error of the survivors' round trip], float64 on its device; ``scale``: None, a factor or torchao's amax scaling."""
     finfo, nonzero = torch.finfo(dtype), (x != 0) & x.isfinite()
+    if isinstance(scale, str):
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
+        finite = rows.abs().where(rows.isfinite(), 0.0)  # one inf or NaN does not decide every other value's scale
+        amax = finite.amax(dim=-1, keepdim=True) if scale == "rowwise" else finite.amax()
+        factor = (finfo.max / amax.double().clamp(min=_AMAX_FLOOR)).float()  # float64 first, as torchao does
+        if scale == "rowwise":
+            factor = torch.exp2(torch.floor(torch.log2(factor)))
+        scaled = (rows * factor).clamp(-finfo.max, finfo.max).reshape(x.shape)
+    else:
+        scaled = x if scale is None else x * scale
     cast = scaled.to(dtype).float()  # compared in fp32: fp8 has no comparison kernels everywhere
     zero = nonzero & (cast == 0)
     over = nonzero & (~cast.isfinite() | (scaled.abs() > finfo.max) if dtype in _NO_INF else ~cast.isfinite())
     survive = nonzero & ~zero & ~over
     error = ((cast - scaled).abs() / scaled.abs()).where(survive, 0.0).double().sum()
     subnormal = nonzero & (cast != 0) & (cast.abs() < finfo.smallest_normal)
-    return torch.stack([nonzero.sum().double(), zero.sum().double(), subnormal.sum().double(), over.sum().double(), error])
+    return torch.stack([*(mask.sum().double() for mask in (nonzero, zero, subnormal, over)), error])
 
 
-def _fractions(counts: Sequence[float]) -> tuple[float, float, float]:
-    """(underflow, overflow, mean relative error) from ``_cast_counts``'s [count, zero, subnormal, over, error]."""
-    survive = counts[0] - counts[1] - counts[3]
-    return (counts[1] / counts[0], counts[3] / counts[0], counts[4] / survive if survive else 0.0) if counts[0] \
-        else (0.0, 0.0, 0.0)
+def _fractions(counts: Sequence[float], suffix: str = "") -> dict[str, float]:
+    """``underflow``, ``overflow`` and ``error`` (each name + ``suffix``) from :func:`_cast_counts`'s counts."""
+    count, zero, _, over, error = counts
+    survive = count - zero - over
+    fractions = (zero / count, over / count, error / survive if survive else 0.0) if count else (0.0, 0.0, 0.0)
+    return dict(zip((f"underflow{suffix}", f"overflow{suffix}", f"error{suffix}"), fractions))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +71,9 @@ class ParameterUnderflow:
 
 @dataclasses.dataclass(frozen=True)
 class UnderflowReport:
-    """Fractions are of the finite nonzero gradient values; ``error`` is the mean relative error of the round trip
-    over the values that neither become 0 nor overflow. See :func:`gradient_underflow`."""
+    """Fractions of the finite nonzero gradient values: ``underflow``, the cast is exactly 0; ``overflow``, it is inf
+    (past the largest finite value, for a format without inf such as e4m3); ``error``, the mean relative error of the
+    round trip over the values that neither become 0 nor overflow. See :func:`gradient_underflow`."""
 
     dtype: torch.dtype
     scale: float | str
@@ -130,10 +125,8 @@ def _check_format(dtype: Any, scale: Any) -> None:
 
 def gradient_underflow(model: nn.Module | Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.float16,
                        scale: float | str | torch.Tensor = 65536.0) -> UnderflowReport:
-    """Count what casting the current gradients to ``dtype`` does, unscaled and scaled.
-
-    A nonzero value underflows when its cast is exactly 0 and overflows when it is inf (past the largest finite value,
-    for a format without inf such as e4m3): the real cast on the gradients' device, counted in one transfer to the host.
+    """Count what casting the current gradients to ``dtype`` does, unscaled and scaled: the real cast on the
+    gradients' device, counted in one transfer to the host.
 
     Args:
         model: a module with ``.grad`` filled, or ``(name, gradient)`` pairs.
@@ -159,17 +152,16 @@ def gradient_underflow(model: nn.Module | Iterable[tuple[str, torch.Tensor]], dt
     device, rows, magnitudes = grads[0][1].device, [], []
     for _, grad in grads:
         g = _compat.dense_values(grad).detach().float()
-        rows.append(torch.cat([_cast_counts(g, g, dtype), _cast_counts(g, _scaled(g, dtype, scale), dtype)]).to(device))
+        rows.append(torch.cat([_cast_counts(g, dtype), _cast_counts(g, dtype, scale)]).to(device))
         magnitudes.append(g[(g != 0) & g.isfinite()].abs().reshape(-1).to(device))
     table = torch.stack(rows).tolist()  # the one transfer
     total = [sum(column) for column in zip(*table)]
     if total[0] == 0:
         raise ValueError("every gradient value is zero: nothing to analyse")
-    by_parameter = {name: ParameterUnderflow(int(row[0]), *_fractions(row[:5]), *_fractions(row[5:]))
+    by_parameter = {name: ParameterUnderflow(int(row[0]), **_fractions(row[:5]), **_fractions(row[5:], "_scaled"))
                     for (name, _), row in zip(grads, table)}
-    (under, over, error), (under_s, over_s, error_s) = _fractions(total[:5]), _fractions(total[5:])
-    return UnderflowReport(dtype, scale, int(total[0]), float(torch.cat(magnitudes).median()), under,
-                           total[2] / total[0], over, error, under_s, over_s, error_s, by_parameter)
+    return UnderflowReport(dtype, scale, int(total[0]), float(torch.cat(magnitudes).median()), **_fractions(total[:5]),
+                           subnormal=total[2] / total[0], **_fractions(total[5:], "_scaled"), by_parameter=by_parameter)
 
 
 def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dict:
@@ -181,15 +173,13 @@ def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dic
     if not nonzero or not bool(torch.stack(nonzero).any()):  # one host sync
         return record
     report = gradient_underflow(model, dtype, scale)
-    record.update(nonzero=report.nonzero, median_abs=report.median_abs,
-                  underflow=report.underflow, underflow_scaled=report.underflow_scaled)
-    return record
+    return {**record, **{key: getattr(report, key) for key in record if key not in ("dtype", "scale")}}
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionReport:
-    """Per layer and tensor (``input``, ``weight``, ``output grad``) and format: ``underflow`` and ``overflow``
-    (fractions of the finite nonzero values) and ``error`` (mean relative error of the survivors' round trip)."""
+    """Per layer, tensor (``input``, ``weight``, ``output grad``) and format: ``underflow``, ``overflow`` and ``error``
+    as in :class:`UnderflowReport`."""
 
     formats: tuple[str, ...]
     rows: list[dict]  # {"layer", "tensor", "nonzero", format: {"underflow", "overflow", "error"}, ...}
@@ -213,10 +203,10 @@ class PrecisionReport:
 
 def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = FORMATS) -> PrecisionReport:
     """What each format would do to every ``nn.Linear`` and convolution's inputs, weights and output gradients, from
-    one forward and backward of ``batch`` through ``trainer``'s ``forward_batch`` and ``compute_loss`` under its policy: under bf16 autocast
-    the outputs and their gradients are bf16 already (an fp32 Trainer shows every format from fp32). fp8 formats are
-    scaled tensorwise, as torchao's default recipe does; 16-bit ones are cast as they are. Nothing changes: weights,
-    optimizer state, counters, gradients, buffers, each module's train or eval mode, RNG state.
+    one forward and backward of ``batch`` through ``trainer``'s ``forward_batch`` and ``compute_loss`` under its
+    policy: under bf16 autocast the outputs and their gradients are bf16 already (an fp32 Trainer shows every format
+    from fp32). fp8 formats are scaled tensorwise, as torchao's default recipe does; 16-bit ones are cast as they are.
+    Nothing changes: weights, optimizer state, counters, gradients, buffers, train or eval modes, RNG state.
 
     Raises:
         ValueError: a compiled or distributed Trainer, or a format not a floating-point torch dtype below float64.
@@ -227,35 +217,32 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
     for dtype in formats:
         _check_format(dtype, 1.0)
     model, counts = trainer.model, {}
+    layers = {m: n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))}
 
     def measure(layer: str, tensor: str, x: torch.Tensor) -> None:
         x = x.detach().float()
-        found = torch.stack([_cast_counts(x, _scaled(x, f, "tensorwise" if f.itemsize == 1 else 1.0), f) for f in formats])
+        found = torch.stack([_cast_counts(x, f, "tensorwise" if f.itemsize == 1 else 1.0) for f in formats])
         counts[layer, tensor] = counts.get((layer, tensor), 0) + found  # a layer called twice: both calls count
 
-    def hook(layer: str):
-        def forward(module, args, output):
-            if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-                measure(layer, "input", args[0])
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda grad: measure(layer, "output grad", grad))
-        return forward
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            measure(layers[module], "input", args[0])
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: measure(layers[module], "output grad", grad))
 
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))]
     params, buffers, modes = list(model.parameters()), list(model.buffers()), {m: m.training for m in model.modules()}
     grads, saved = [p.grad for p in params], [b.detach().clone() for b in buffers]
-    handles = [m.register_forward_hook(hook(n)) for n, m in layers]
+    handles = [m.register_forward_hook(hook) for m in layers]
     devices = [trainer.device] if trainer.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():  # dropout draws as training would
             model.train()
-            for p in params:
-                p.grad = None
+            model.zero_grad(set_to_none=True)
             with trainer.autocast():
                 loss = trainer.compute_loss(*trainer.forward_batch(trainer.to_device(batch)))
             with trainer.policy.backend_flags(trainer.device.type):
                 loss.backward()
-        for name, module in layers:
+        for module, name in layers.items():
             measure(name, "weight", module.weight)
     finally:
         for handle in handles:
@@ -267,22 +254,18 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
                 b.copy_(value)
         for module, mode in modes.items():
             module.training = mode
-    return _report([n for n, _ in layers], counts, [_name(f) for f in formats])
-
-
-def _report(layers: list[str], counts: dict, names: list[str]) -> PrecisionReport:
-    """Rows in the model's order, each layer's input, weight, then output gradient; the counts in one transfer."""
-    keys = sorted(counts, key=lambda k: (layers.index(k[0]), ("input", "weight", "output grad").index(k[1])))
-    tables = torch.stack([counts[k] for k in keys]).tolist() if keys else []
-    return PrecisionReport(tuple(names), [
-        {"layer": layer, "tensor": tensor, "nonzero": int(table[0][0]),
-         **{n: dict(zip(_STATS, _fractions(t))) for n, t in zip(names, table)}} for (layer, tensor), table in zip(keys, tables)])
+    keys = [(n, t) for n in layers.values() for t in ("input", "weight", "output grad") if (n, t) in counts]
+    tables = torch.stack([counts[k] for k in keys]).tolist() if keys else []  # the one transfer
+    names = [_name(f) for f in formats]
+    rows = [{"layer": n, "tensor": t, "nonzero": int(table[0][0]), **{f: _fractions(c) for f, c in zip(names, table)}}
+            for (n, t), table in zip(keys, tables)]
+    return PrecisionReport(tuple(names), rows)
 
 
 @dataclasses.dataclass(frozen=True)
 class LostUpdates:
-    """Of one step's nonzero updates, the fraction a weight stored in ``dtype`` would lose: in total and per parameter
-    (``{name: (nonzero, lost)}``); ``lost`` is None when no weight moved."""
+    """What :func:`lost_updates` found: ``lost``, the fraction of the nonzero updates lost, in total and per parameter
+    (``{name: (nonzero, lost)}``); None when no weight moved."""
 
     dtype: torch.dtype
     nonzero: int

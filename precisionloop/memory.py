@@ -12,10 +12,8 @@ __all__ = ["MemoryBreakdown", "memory_breakdown"]
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
-    """A Trainer's memory in MB (2**20 bytes), from :func:`memory_breakdown`.
-
-    The first four are exact on every device: the bytes of the tensors' storages, one shared by views or tied
-    weights counted once; under FSDP2 this process's shards.
+    """A Trainer's memory in MB (2**20 bytes). The first four are exact on every device: the bytes of the tensors'
+    storages, one shared by views or tied weights counted once; under FSDP2 this process's shards.
 
     Attributes:
         parameters_mb: every parameter of the model, trainable or not.
