@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -40,13 +42,19 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scal
     device = grads[0].device.type
     fused = grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ())
     if fused and (inv_scale is not None or device == "cpu" or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS):
-        one = torch.ones((), dtype=torch.float32, device=found_inf.device) if inv_scale is None else inv_scale
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, one)
+        scale = _one(found_inf.device) if inv_scale is None else inv_scale.to(found_inf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale)
         return
     found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
     torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
     if inv_scale is not None:
         torch._foreach_mul_(grads, inv_scale)
+
+
+@functools.cache
+def _one(device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):
+        return torch.ones((), dtype=torch.float32, device=device)
 
 
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -81,13 +89,21 @@ def compile_error_types() -> tuple[type[BaseException], ...]:
     return (TorchDynamoException,)
 
 
-def compiled_backward_like_eager() -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def compiled_backward_like_eager() -> Iterator[None]:
     """Inside the block a compiled backward runs without autocast, as the eager one does: torch's default
-    (``backward_pass_autocast="same_as_forward"``) would recast to bf16/fp16 the backward of ``keep_fp32`` regions."""
+    (``backward_pass_autocast="same_as_forward"``) would recast to bf16/fp16 the backward of ``keep_fp32`` regions.
+    Set and restored by hand: ``config.patch`` costs four times as much, every step."""
     import torch._functorch.config as config
 
-    return config.patch(backward_pass_autocast="off") if hasattr(config, "backward_pass_autocast") else (
-        contextlib.nullcontext())
+    old = getattr(config, "backward_pass_autocast", None)
+    if old is not None:
+        config.backward_pass_autocast = "off"
+    try:
+        yield
+    finally:
+        if old is not None:
+            config.backward_pass_autocast = old
 
 
 def compiled_original(module: nn.Module) -> nn.Module:
@@ -115,6 +131,8 @@ def is_batch_norm(module: nn.Module) -> bool:
 
 def dense_values(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's stored values: itself when dense, its values when sparse, its local shard under FSDP2."""
+    if type(grad) is torch.Tensor and not grad.is_sparse:  # the common case, without hasattr's failed lookup
+        return grad
     g = grad._values() if grad.is_sparse else grad
     return g.to_local() if hasattr(g, "to_local") else g
 

@@ -249,7 +249,7 @@ class _Epoch:
         for cb in options["callbacks"]:
             if hasattr(cb, "on_step_end"):
                 cb.on_step_end(trainer, result)
-        if not result._optimizer_step:
+        if result._outcome is None:  # no optimizer step: mid-accumulation
             return False
         if options["loggers"] and trainer.global_step % options["log_every"] == 0 and _dist.is_main():
             now = time.perf_counter()

@@ -36,18 +36,17 @@ class StepResult:
             when the step starts: at once after ``result.skipped`` is read, else a step later.
     """
 
-    __slots__ = ("_loss", "_skip", "_scale", "_grad_norm", "_optimizer_step", "_outcome")
+    __slots__ = ("_loss", "_scale", "_grad_norm", "_outcome")
 
-    def __init__(self, loss, optimizer_step: bool, skip=None, scale=None, grad_norm=None, outcome=None):
-        self._loss, self._skip, self._scale, self._grad_norm = loss, skip, scale, grad_norm
-        self._optimizer_step, self._outcome = optimizer_step, outcome  # this micro-batch ended an accumulation
+    def __init__(self, loss: torch.Tensor, scale=None, grad_norm=None, outcome: _Outcome | None = None):
+        self._loss, self._scale, self._grad_norm, self._outcome = loss, scale, grad_norm, outcome
 
     loss = property(lambda self: float(self._loss))
-    skipped = property(lambda self: self._optimizer_step and bool(self._skip))
-    stepped = property(lambda self: self._optimizer_step and not self.skipped)
-    scale = property(lambda self: _host(self._scale))
+    skipped = property(lambda self: self._outcome is not None and self._outcome.skipped())
+    stepped = property(lambda self: self._outcome is not None and not self._outcome.skipped())
+    scale = property(lambda self: _host(self._scale) if self._outcome is None else self._outcome.scale())
     grad_norm = property(lambda self: _host(self._grad_norm))
-    nonfinite = property(lambda self: self._outcome.nonfinite() if self._outcome is not None else ())
+    nonfinite = property(lambda self: () if self._outcome is None else self._outcome.nonfinite())
 
     def __repr__(self) -> str:
         return (f"StepResult(loss={self.loss:.6g}, stepped={self.stepped}, skipped={self.skipped}, "
@@ -158,8 +157,8 @@ class _NoLossScale:
     def inverse(self) -> torch.Tensor | None:
         return None
 
-    def adjust(self, nonfinite: torch.Tensor) -> None:
-        pass
+    def adjust(self, nonfinite: torch.Tensor, record: torch.Tensor) -> None:
+        """Update the scale after a step, and copy it into ``record``."""
 
     def value(self) -> torch.Tensor | None:
         return None
@@ -177,8 +176,9 @@ class _DynamicLossScale(_NoLossScale):
     def inverse(self) -> torch.Tensor:
         return self.value().double().reciprocal().float()  # as GradScaler.unscale_ computes it
 
-    def adjust(self, nonfinite: torch.Tensor) -> None:
+    def adjust(self, nonfinite: torch.Tensor, record: torch.Tensor) -> None:
         _compat.update_scale_(self.scaler, nonfinite)  # backs off on non-finite values only, not a judged skip
+        record.copy_(self.value())
 
     def value(self) -> torch.Tensor | None:
         return _compat.scaler_scale_tensor(self.scaler)
@@ -199,15 +199,18 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -
 
 
 class _Outcome:
-    """A step's skip flag, non-finite flag, loss and scale (and per-parameter flags) on their way to the host: one row,
-    a copy safe from the next CUDA-graph replay, copied on CUDA without blocking, an event after it."""
+    """One optimizer step in one row, ``[non-finite, skip, scale, the micro-batch losses...]``: the check writes its
+    flag there and checks the losses in place (a copy, safe from the next CUDA-graph replay); ``send`` starts its
+    way to the host, on CUDA a copy without blocking and an event after it. NaN in the scale's place: no scaler."""
 
     __slots__ = ("row", "values", "event", "names", "flags")
 
-    def __init__(self, skip: torch.Tensor, nonfinite: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor | None,
-                 names: list[str] = (), flags: torch.Tensor | None = None):
-        self.row = torch.stack([skip, nonfinite, loss.to(skip.device, torch.float32), *([] if scale is None else [scale])])
-        self.values, self.event, self.names, self.flags = self.row, None, names, flags
+    def __init__(self, losses: list[torch.Tensor], zero: torch.Tensor, nan: torch.Tensor):
+        self.row = torch.stack([zero, zero, nan, *losses]).float()  # a bf16 loss promoted, an fp64 one rounded
+        self.values, self.event, self.names, self.flags = self.row, None, (), None
+
+    def send(self, names: list[str], flags: torch.Tensor | None) -> None:
+        self.names, self.flags = names, flags
         if self.row.is_cuda:
             with torch.inference_mode(False):
                 self.values = self.row.to("cpu", non_blocking=True)
@@ -219,9 +222,18 @@ class _Outcome:
         return self.event is None or self.event.query()
 
     def read(self) -> list[float]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.values.tolist()
+        if not isinstance(self.values, list):  # read once, then kept
+            if self.event is not None:
+                self.event.synchronize()
+            self.values = self.values.tolist()
+        return self.values
+
+    def skipped(self) -> bool:
+        return bool(self.read()[1])
+
+    def scale(self) -> float | None:
+        scale = self.read()[2]
+        return None if math.isnan(scale) else scale
 
     def nonfinite(self) -> tuple[str, ...]:
         if self.flags is None:
@@ -246,13 +258,14 @@ class StepEngine:
         self.scheduler, self.distributed = scheduler, distributed
         self.grad_accum_steps, self.max_grad_norm, self.max_consecutive_skips = grad_accum_steps, max_grad_norm, max_consecutive_skips
         self.stats = TrainStats()
-        self.last_loss: float | None = None  # the loss of the last counted optimizer step, on the host
+        self.last_loss: float | None = None  # the last micro-batch loss of the last counted optimizer step
         self.micro = self.global_step = self.consecutive_skips = 0
         self.collapse_warned = self.unsynced = self.sync_next = False  # sync_next: fit's last micro-batch of an epoch
         self.probe: Callable[[int], Callable[[], None] | None] | None = None
         self._first_sgd = _FusedSGDFirstStep()
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
         self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
+        self._zero_nan: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def step(self, batch: Any) -> StepResult:
         """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
@@ -275,9 +288,9 @@ class StepEngine:
                     # A CUDA-graph output would be overwritten by the next replay; the scale is updated in place.
                     self._losses.append(loss if self.compile_mode is None else loss.clone())
                     scale = self.loss_scale.value()
-                    return StepResult(self._losses[-1], False, scale=None if scale is None else scale.clone())
+                    return StepResult(self._losses[-1], scale=None if scale is None else scale.clone())
                 self._losses.append(loss)
-                return self.optimizer_step(loss)
+                return self.optimizer_step()
         except RefusedLoss:
             raise  # refused before its backward: nothing changed
         except _compat.compile_error_types() as e:
@@ -301,14 +314,17 @@ class StepEngine:
             self.discard_accumulation()
             raise
 
-    def optimizer_step(self, loss: torch.Tensor) -> StepResult:
-        """Check, clip, judge, then step or skip: on the device where the optimizer takes the flag, else on the host."""
+    def optimizer_step(self, loss: torch.Tensor | None = None) -> StepResult:
+        """Check, clip, judge, then step or skip: on the device where the optimizer takes the flag, else on the host.
+        The result's loss is ``loss`` if given, else the last micro-batch's."""
         # A scheduler must have set this step's LR, so with one every earlier outcome is counted first; without,
         # those already on the host or two steps old, so the host never waits for the step just queued.
         self.sync(wait_all=self.scheduler is not None)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]  # add_param_group too
         grads = [p.grad for p in params if p.grad is not None]
-        nonfinite = self._check(grads)
+        last = self._losses[-1]
+        outcome = _Outcome(self._losses, *self._constants(last.device))
+        nonfinite = self._check(grads, outcome.row)
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
         after = self.probe(self.global_step + 1) if self.probe is not None else None
@@ -321,7 +337,6 @@ class StepEngine:
             return norm[0]
 
         skip = self.policy.should_skip(nonfinite, grad_norm)
-        outcome = None
         try:
             if _compat.skips_on_device(self.optimizer) and not self._first_sgd.needs_host(self.optimizer):
                 self.optimizer.grad_scale, self.optimizer.found_inf = None, skip  # GradScaler's contract
@@ -332,33 +347,41 @@ class StepEngine:
             elif not skip.item():  # the one host sync
                 with _unfused_mixed_groups(self.optimizer):
                     self.optimizer.step()
-            self.loss_scale.adjust(nonfinite)
-            outcome = _Outcome(skip, nonfinite, loss, self.loss_scale.value(), names, flags)
+            self.loss_scale.adjust(nonfinite, outcome.row[2])
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced, self.global_step, self._losses = 0, False, self.global_step + 1, []
             with contextlib.suppress(Exception):  # counted with the others (a second error would hide the first)
-                self._pending.append(outcome or _Outcome(skip, nonfinite, loss, None))
+                outcome.row[1].copy_(skip)
+                outcome.send(names, flags)
+                self._pending.append(outcome)
         if after is not None:
             after()
         self.optimizer.zero_grad(set_to_none=True)
         if outcome.event is None:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
-        return StepResult(outcome.row[2], True, skip=outcome.row[0], scale=outcome.row[3] if len(outcome.row) > 3 else None,
-                          grad_norm=norm[0], outcome=outcome if flags is not None else None)
+        if loss is None:  # the last micro-batch's, in its dtype; compiled, a copy safe from the next CUDA-graph replay
+            loss = last if self.compile_mode is None else outcome.row[-1]
+        return StepResult(loss, grad_norm=norm[0], outcome=outcome)
 
-    def _check(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """1.0 if a gradient or a micro-batch loss of the accumulation is not finite, else 0.0, as an fp32 tensor on
-        the first gradient's device; the gradients unscaled. Alike on every rank."""
-        grads = [_compat.dense_values(g) for g in grads]
-        found = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else self._losses[0].device)
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """0 and NaN on the loss's device, made once: the outcome row starts from them without a fill per step."""
+        if self._zero_nan is None or self._zero_nan[0].device != device:
+            with torch.inference_mode(False):
+                self._zero_nan = (torch.zeros((), device=device), torch.full((), float("nan"), device=device))
+        return self._zero_nan
+
+    def _check(self, grads: list[torch.Tensor], row: torch.Tensor) -> torch.Tensor:
+        """``row[0]``: 1.0 if a gradient or a micro-batch loss (``row[3:]``) is not finite, else 0.0, the gradients
+        unscaled; alike on every rank."""
+        found = row[0]
         inverse = self.loss_scale.inverse()
-        for group in _compat.group_by_device_and_dtype(grads) if grads else ():
+        for group in _compat.group_by_device_and_dtype([_compat.dense_values(g) for g in grads]) if grads else ():
             here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
             _compat.non_finite_any_(group, here, inverse)
             if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
                 torch.maximum(found, here.to(found.device), out=found)
-        # A NaN loss (a batch of ignored targets: 0/0) can leave every gradient finite; checked on a copy.
-        _compat.non_finite_any_([torch.stack(self._losses).to(found.device, torch.float32)], found, None)
+        # A NaN loss (a batch of ignored targets: 0/0) can leave every gradient finite.
+        _compat.non_finite_any_([row[3:]], found, None)
         if self.distributed:  # each rank's loss is its own, whatever the gradients agree on
             _dist.all_reduce_max_(found)
         return found
@@ -409,9 +432,8 @@ class StepEngine:
 
     def _count(self, values: list[float], outcome: _Outcome) -> None:
         """Count an outcome; then the scheduler's step if it was taken, the collapse warning, the skip limit."""
-        skipped, nonfinite, scale = bool(values[0]), bool(values[1]), (values[3] if len(values) > 3 else None)
-        if not math.isnan(values[2]):  # a flush has no micro-batch loss
-            self.last_loss = values[2]
+        nonfinite, skipped, scale = bool(values[0]), bool(values[1]), outcome.scale()
+        self.last_loss = values[-1]
         self.stats.record(skipped, scale)
         if skipped and outcome.flags is not None:
             self.stats.nonfinite = outcome.nonfinite()
