@@ -1,4 +1,4 @@
-"""Every private torch API precisionloop uses, each behind one small function that ``tests/test_compat.py`` pins."""
+"""Each private torch API behind one function that ``tests/test_compat.py`` pins; unwrap, is_wrapped, resolve_device."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scal
         return
     device = grads[0].device.type
     fused = grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ())
-    if fused and (inv_scale is not None or device == "cpu" or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS):
+    if fused and (inv_scale is not None or device == "cpu"
+                  or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS):
         scale = _one(found_inf.device) if inv_scale is None else inv_scale.to(found_inf.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale)
         return
@@ -106,12 +107,31 @@ def compiled_backward_like_eager() -> Iterator[None]:
             config.backward_pass_autocast = old
 
 
-def compiled_original(module: nn.Module) -> nn.Module:
-    """The module inside a ``torch.compile`` wrapper (dynamo's ``OptimizedModule``), else ``module`` itself."""
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP and a ``torch.compile`` wrapper (``_orig_mod``), named as checkpoints name it."""
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # compiled only if dynamo is loaded already
     if eval_frame is not None and isinstance(module, eval_frame.OptimizedModule):
         return module._orig_mod
     return module
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    """Whether ``model`` is wrapped in DDP or sharded by FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, (nn.parallel.DistributedDataParallel, FSDPModule))
+
+
+def resolve_device(device: str | torch.device | None, index: int | None = None) -> torch.device:
+    """The device to train on, by default CUDA if there is a GPU, else the CPU; a CUDA device without an index gets
+    ``index``, else the current device's. A ValueError where CUDA is asked for and there is none."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+    return device
 
 
 def cpu_bf16_native() -> bool:

@@ -159,7 +159,7 @@ def _restore(trainer, state: dict) -> None:
 
 def _model_problems(model: nn.Module, saved: dict) -> list[str]:
     """The saved tensors' names, shapes and dtypes against the model's (torch would cast another dtype silently)."""
-    expected = {k: v for k, v in _dist.unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
+    expected = {k: v for k, v in _compat.unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}
     problems = [f"missing {k}" for k in expected if k not in saved] + [f"unexpected {k}" for k in saved if k not in expected]
     return problems + [f"{k} is {list(saved[k].shape)} {saved[k].dtype}, the model's {list(v.shape)} {v.dtype}"
                        for k, v in expected.items() if k in saved and (saved[k].shape, saved[k].dtype) != (v.shape, v.dtype)]
@@ -176,7 +176,7 @@ def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed:
         return get_state_dict(model, optimizer, options=options)
     # By state_dict name, as torch.distributed.checkpoint writes them (activation checkpointing's wrappers dropped).
     names: dict[int, str] = {}
-    for name, p in _dist.unwrap(model).state_dict(keep_vars=True).items():
+    for name, p in _compat.unwrap(model).state_dict(keep_vars=True).items():
         if isinstance(p, nn.Parameter):
             names.setdefault(id(p), name)  # a tied parameter by its first name
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}

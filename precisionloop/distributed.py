@@ -38,64 +38,43 @@ def barrier() -> None:
 
 
 def resolve(mode: str | None, device: str | torch.device | None) -> tuple[str | None, Any]:
-    """The mode (``"ddp"``, ``"fsdp"`` or None) and device (None: the default), the process group started if needed;
-    a ValueError for an unknown mode, or ``"ddp"``/``"fsdp"`` outside torchrun with no process group."""
+    """The mode (``"ddp"``, ``"fsdp"`` or None) and, with a mode, the device (CUDA: ``LOCAL_RANK``'s unless indexed)
+    and the process group started; a ValueError for an unknown mode, or a mode outside torchrun and a process group."""
     if mode not in ("auto", "ddp", "fsdp", None):
         raise ValueError(f"distributed must be 'auto', 'ddp', 'fsdp' or None; got {mode!r}")
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if mode == "auto":
         mode = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 or world_size() > 1 else None  # several processes
     if mode is None:
         return None, device
-    if not _initialised() and not launched:
+    if not _initialised() and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         raise ValueError(f"distributed={mode!r} needs torchrun (RANK and WORLD_SIZE set) or an initialised process "
                          "group; use distributed=None to train in one process")
-    device = torch.device(device) if device is not None else None
-    if device is None and torch.cuda.is_available() or device is not None and device.type == "cuda":
-        index = os.environ.get("LOCAL_RANK", torch.cuda.current_device()) if device is None or device.index is None \
-            else device.index
-        device = torch.device("cuda", int(index))
+    local_rank = os.environ.get("LOCAL_RANK")
+    device = _compat.resolve_device(device, None if local_rank is None else int(local_rank))
+    if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL starts, so each rank owns its GPU
     if not _initialised():
-        dist.init_process_group("nccl" if device is not None and device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return mode, device
-
-
-def is_wrapped(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, (nn.parallel.DistributedDataParallel, FSDPModule))
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP and a ``torch.compile`` wrapper (its names, as checkpoints hold them)."""
-    return _compat.compiled_original(model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model)
 
 
 def wrap(model: nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.device,
          optimizer: torch.optim.Optimizer) -> nn.Module:
     """DDP-wrap or FSDP2-shard ``model``; under FSDP2 ``optimizer`` is repointed at the sharded parameters by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if optimizer.state:
         raise ValueError("distributed='fsdp' replaces the parameters: build the Trainer before the optimizer has state")
-    if any(g.get("fused") for g in optimizer.param_groups) and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    fused = any(g.get("fused") for g in optimizer.param_groups)
+    if fused and type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         raise ValueError(f"distributed='fsdp' cannot run a fused {type(optimizer).__name__} (torch has no DTensor rule "
                          "for its kernel); build it with fused=False")
     names = {id(p): n for n, p in model.named_parameters()}
     by_group = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-    _shard(model, compute_dtype, device)
-    sharded = dict(model.named_parameters())
-    for group, group_names in zip(optimizer.param_groups, by_group):
-        group["params"] = [sharded[n] for n in group_names]
-    return model
-
-
-def _shard(model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -> None:
-    """``fully_shard`` the fp32 modules (kept ones, affine batch norms), then each child of the root, then the root."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-
+    # fully_shard the fp32 modules (kept ones, affine batch norms), then each child of the root, then the root.
     mesh = init_device_mesh(device.type, (world_size(),))  # the default mesh would take the GPU for a CPU run
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     mp = fp32 if fp32_modules.is_kept(model) else MixedPrecisionPolicy(
@@ -108,6 +87,10 @@ def _shard(model: nn.Module, compute_dtype: torch.dtype, device: torch.device) -
         if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    sharded = dict(model.named_parameters())
+    for group, group_names in zip(optimizer.param_groups, by_group):
+        group["params"] = [sharded[n] for n in group_names]
+    return model
 
 
 @contextlib.contextmanager
@@ -139,7 +122,8 @@ def average_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> Non
 
 def shard_loader(loader: Any) -> Any:
     """A plain DataLoader rebuilt over a DistributedSampler; anything else is returned as it is."""
-    if not isinstance(loader, DataLoader) or isinstance(loader.sampler, DistributedSampler) or loader.batch_size is None:
+    plain = isinstance(loader, DataLoader) and loader.batch_size is not None
+    if not plain or isinstance(loader.sampler, DistributedSampler):
         return loader
     seed = [torch.initial_seed() % 2**31]
     dist.broadcast_object_list(seed, src=0)  # every rank shuffles with the same seed

@@ -1,7 +1,4 @@
-"""fp8 training through torchao's float8 (an optional dependency, imported only when a policy needs it).
-
-torchao's ``Float8Linear`` keeps ``nn.Linear``'s ``weight`` and ``bias`` names, so checkpoints move between fp8 and
-bf16 or fp32. Under FSDP2 the converted layers all-gather their weights in bf16 and cast them to fp8 locally."""
+"""fp8 training through torchao's float8 (an optional dependency, imported only when a policy needs it)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import torch
 from torch import nn
 
 from . import _compat, keep_fp32 as fp32_modules
-from .policy import BF16Policy
+from .policy import BF16Policy, compute_capability, converted_layers
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +31,6 @@ def default_layers(model: nn.Module) -> tuple[str, ...]:
     """
     inner = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)][1:-1]
     return tuple(name for name, m in inner if _unfit(m) is None)
-
-
-def converted_layers(model: nn.Module) -> list[str]:
-    """Names of the layers of ``model`` converted to fp8 (torchao's ``Float8Linear``, sharded by FSDP2 or not)."""
-    # By class name through the MRO: torchao need not be imported, and FSDP2 swaps a sharded module's class.
-    return [name for name, m in model.named_modules() if any(c.__name__ == "Float8Linear" for c in type(m).__mro__)]
 
 
 def _unfit(module: nn.Module) -> str | None:
@@ -65,9 +56,9 @@ def require_torchao():
 
 def check_device(device: torch.device, emulate: bool) -> None:
     """Raise unless ``device`` has fp8 matmuls (CUDA compute capability 8.9+) or they are emulated."""
-    if emulate or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)):
+    if emulate or compute_capability(device) >= (8, 9):
         return
-    here = (f"{torch.cuda.get_device_name(device)} has {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+    here = (f"{torch.cuda.get_device_name(device)} has {'.'.join(map(str, compute_capability(device)))}"
             if device.type == "cuda" else f"not {device}")
     raise ValueError(f"precision 'fp8' needs fp8 matmuls, which need a CUDA GPU of compute capability 8.9 or higher "
                      f"(Ada, Hopper or newer); {here}. Use precision='bf16', or FP8Policy(emulate=True) to emulate "
@@ -115,10 +106,8 @@ class FP8Policy(BF16Policy):
             ValueError: torchao is missing; ``device`` has no fp8 matmuls; a model wrapped in DDP or FSDP2 (it would
                 train without fp8); a named layer cannot be converted or is kept in fp32; no layer would be converted.
         """
-        from torch.distributed.fsdp import FSDPModule
-
         require_torchao()
-        if isinstance(model, (nn.parallel.DistributedDataParallel, FSDPModule)):
+        if _compat.is_wrapped(model):
             raise ValueError("precision 'fp8' converts layers before wrapping: pass the plain model and "
                              "distributed='ddp' or 'fsdp' instead of a model you wrapped yourself")
         super().check_model(model, device)  # keep_fp32 patterns; layers an earlier FP8Policy converted

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from . import _compat, keep_fp32 as fp32_modules
+from ._compat import resolve_device
 
-__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "BF16PurePolicy", "FP16Policy", "resolve_device"]
+__all__ = ["PrecisionPolicy", "FP32Policy", "BF16Policy", "BF16PurePolicy", "FP16Policy", "resolve_device", "has_tf32"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,10 +23,8 @@ class PrecisionPolicy:
     Args:
         tf32: let fp32 matmuls and convolutions use TF32 tensor cores on CUDA.
         cudnn_benchmark: autotune cuDNN algorithms; ``None`` follows ``tf32``.
-        channels_last: ``None`` puts models with 2-D convolutions in channels_last on CUDA only; ``True`` always;
-            ``False`` never.
-        keep_fp32: modules to run in fp32 (autocast off, fp32 inputs): module classes or ``named_modules()`` name
-            patterns (fnmatch).
+        channels_last: 2-D convolution models in channels_last: ``None`` on CUDA only, ``True`` always, ``False`` never.
+        keep_fp32: modules run in fp32 (autocast off, fp32 inputs): classes or ``named_modules()`` fnmatch patterns.
         note: why this policy was chosen (``get_policy("auto")`` fills it in).
 
     Example:
@@ -75,7 +74,7 @@ class PrecisionPolicy:
     def backend_flags(self, device_type: str = "cuda") -> contextlib.AbstractContextManager:
         """Set TF32 and ``cudnn.benchmark`` while the block runs, then restore the caller's values (CUDA only)."""
         if device_type != "cuda":
-            return contextlib.nullcontext()  # the flags steer CUDA kernels only
+            return contextlib.nullcontext()
         benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
         return _flags_set((*("tf32" if self.tf32 else "ieee",) * 3, benchmark))
 
@@ -90,12 +89,10 @@ class PrecisionPolicy:
         return torch.contiguous_format
 
     def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
-        """Raise a ValueError, before anything changes, if this policy cannot apply to ``model`` on ``device``: a
-        ``keep_fp32`` pattern matches no module, or layers were converted to fp8 earlier."""
-        inner = _compat.compiled_original(model.module if isinstance(model, nn.parallel.DistributedDataParallel)
-                                          else model)
+        """A ValueError, before any change, if a ``keep_fp32`` pattern matches nothing or layers are already fp8."""
+        inner = _compat.unwrap(model)
         fp32_modules.select_modules(inner, self.keep_fp32)
-        converted = [n for n, m in inner.named_modules() if any(c.__name__ == "Float8Linear" for c in type(m).__mro__)]
+        converted = converted_layers(inner)
         if converted:  # torchao's conversion cannot be undone
             raise ValueError(f"layers {', '.join(converted[:5])} were converted to fp8 by an earlier FP8Policy; build "
                              "the model anew (its state_dict keys are the same) to train it under this policy")
@@ -119,7 +116,7 @@ class PrecisionPolicy:
         memory_format = self.memory_format(model)
         if memory_format is not torch.contiguous_format:
             model = model.to(memory_format=memory_format)
-        fp32_modules.keep_fp32_(_compat.compiled_original(model), self.keep_fp32)
+        fp32_modules.keep_fp32_(_compat.unwrap(model), self.keep_fp32)
         return model
 
 
@@ -157,9 +154,7 @@ class BF16PurePolicy(BF16Policy):
     ``prepare_model`` casts the rest to bf16 in place; autocast stays on, so the ops it keeps in fp32 (softmax, the
     losses) still run in fp32. A bf16 weight rounded to nearest loses updates smaller than half its last bit, so the
     optimizer must round stochastically and say so with ``bf16_stochastic_round = True``, as
-    :class:`precisionloop.BF16AdamW` and torchao's optimizers built with ``bf16_stochastic_round=True`` do. With
-    BF16AdamW the reference Transformer of ``benchmarks/pure_bf16.py`` peaks 36.6% below mixed bf16 on an H200, its
-    loss within 0.1%, and its step takes about mixed bf16's time (0.99x in one run).
+    :class:`precisionloop.BF16AdamW` and torchao's optimizers built with ``bf16_stochastic_round=True`` do.
     """
 
     name: ClassVar[str] = "bf16-pure"
@@ -182,7 +177,7 @@ class BF16PurePolicy(BF16Policy):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """As :meth:`PrecisionPolicy.prepare_model`, then the floating tensors outside ``keep_fp32`` cast to bf16."""
         model = super().prepare_model(model)
-        inner = _compat.compiled_original(model)
+        inner = _compat.unwrap(model)
         kept = {id(m) for _, top in fp32_modules.select_modules(inner, self.keep_fp32) for m in top.modules()}
         with torch.no_grad():  # in place, so the optimizer keeps its parameters
             for module in inner.modules():
@@ -210,22 +205,25 @@ class FP16Policy(PrecisionPolicy):
                                     backoff_factor=self.backoff_factor, growth_interval=self.growth_interval)
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device to train on: the current CUDA device, else the CPU, by default; a CUDA device gets its index."""
-    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was requested but CUDA is not available; use device='cpu'")
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, such as ``(8, 0)``; ``(0, 0)`` for any other device."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def has_tf32(device: torch.device) -> bool:
+    """Whether ``device`` has TF32 math: an NVIDIA GPU of compute capability 8.0 or higher."""
+    return not torch.version.hip and compute_capability(device) >= (8, 0)
 
 
 def cuda_bf16_native(device: torch.device) -> bool:
     """Whether a CUDA (or ROCm) device runs bf16 natively: compute capability 8.0 or higher."""
-    return bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
+    return bool(torch.version.hip) or compute_capability(device) >= (8, 0)
 
 
-def has_tf32(device: torch.device) -> bool:
-    """Whether ``device`` has TF32 math: CUDA of compute capability 8.0 or higher."""
-    return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device) >= (8, 0)
+def converted_layers(model: nn.Module) -> list[str]:
+    """Names of the layers of ``model`` converted to fp8 (torchao's ``Float8Linear``, sharded by FSDP2 or not)."""
+    # By class name through the MRO: torchao need not be imported, and FSDP2 swaps a sharded module's class.
+    return [name for name, m in model.named_modules() if any(c.__name__ == "Float8Linear" for c in type(m).__mro__)]
 
 
 def warn_overridden_flags(policy: PrecisionPolicy) -> None:
@@ -251,12 +249,13 @@ def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -
         raise ValueError(f"precision {name!r} needs native bf16, but {torch.cuda.get_device_name(device)} has compute "
                          "capability below 8.0; use precision='fp16', which adds loss scaling")
     native = device.type != "cpu" or _compat.cpu_bf16_native()
+    stacklevel = _compat.stacklevel_outside_package()
     if device.type == "cpu" and dtype == torch.float16:
         warnings.warn("fp16 autocast on the CPU is supported but very slow (tens of times slower than fp32); consider "
-                      f"precision={'bf16' if native else 'fp32'!r}", UserWarning, stacklevel=_compat.stacklevel_outside_package())
+                      f"precision={'bf16' if native else 'fp32'!r}", UserWarning, stacklevel=stacklevel)
     elif not native:  # what a script swapped to precision="bf16" meets on most laptops
-        warnings.warn(f"precision {name!r}: this CPU has no native bf16, so its autocast runs emulated, often ten times "
-                      "slower than fp32; consider precision='fp32'", UserWarning, stacklevel=_compat.stacklevel_outside_package())
+        warnings.warn(f"precision {name!r}: this CPU has no native bf16, so its autocast runs emulated, often ten "
+                      "times slower than fp32; consider precision='fp32'", UserWarning, stacklevel=stacklevel)
 
 
 # The TF32 switches (torch's per-backend fp32_precision: "tf32" or "ieee"), then cudnn.benchmark, as labelled.

@@ -9,7 +9,8 @@ import torch
 
 from . import _compat
 from .fp8 import FP8Policy
-from .policy import BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy, cuda_bf16_native, resolve_device
+from .policy import (BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, PrecisionPolicy, compute_capability,
+                     cuda_bf16_native, resolve_device)
 
 __all__ = ["PRECISIONS", "get_policy", "default_precisions"]
 
@@ -39,7 +40,8 @@ def default_precisions(device_type: str) -> list[str]:
     return [name for name in ("fp32", "tf32", "bf16", "fp16") if device_type == "cuda" or name in ("fp32", "bf16")]
 
 
-def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | torch.device | None = None) -> PrecisionPolicy:
+def get_policy(spec: str | int | torch.dtype | PrecisionPolicy,
+               device: str | torch.device | None = None) -> PrecisionPolicy:
     """Turn a precision spec into a policy.
 
     Args:
@@ -72,7 +74,7 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy, device: str | to
 
 def _auto_policy(device: torch.device) -> PrecisionPolicy:
     if device.type == "cuda":
-        label = f"{torch.cuda.get_device_name(device)} (compute capability {torch.cuda.get_device_capability(device)})"
+        label = f"{torch.cuda.get_device_name(device)} (compute capability {compute_capability(device)})"
         policy: PrecisionPolicy = (BF16Policy(note=f"auto: {label} has native bf16") if cuda_bf16_native(device)
                                    else FP16Policy(note=f"auto: {label} has no native bf16, so fp16 with loss scaling"))
     elif device.type == "cpu" and _compat.cpu_bf16_native():

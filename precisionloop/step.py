@@ -397,7 +397,7 @@ class StepEngine:
     def _nonfinite_flags(self, params: list[nn.Parameter], nonfinite: torch.Tensor) -> tuple[list[str], torch.Tensor]:
         """The parameters' names, and 1 for each whose gradient holds an inf or NaN: a read of every gradient, made
         only while steps are being skipped. Every rank gets the same flags (under FSDP2 each holds a shard)."""
-        names = {p: n for n, p in _dist.unwrap(self.model).named_parameters()}
+        names = {p: n for n, p in _compat.unwrap(self.model).named_parameters()}
         flags = torch.stack([torch.zeros_like(nonfinite) if p.grad is None else
                              (~_compat.dense_values(p.grad).isfinite()).any().to(nonfinite) for p in params])
         if self.distributed:

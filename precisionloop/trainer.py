@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from . import checkpoint, loop, tuning, distributed as _dist, keep_fp32 as fp32_modules
+from . import _compat, checkpoint, loop, tuning, distributed as _dist, keep_fp32 as fp32_modules
 from .loop import Checkpoints
 from .memory import MemoryBreakdown, memory_breakdown
 from .policy import PrecisionPolicy, resolve_device, warn_overridden_flags
@@ -94,18 +94,18 @@ class Trainer:
 
     def _prepare(self, model: nn.Module) -> tuple[nn.Module, torch.memory_format]:
         """The policy's layout and ``keep_fp32``, then compile in place (state-dict keys unchanged), then DDP/FSDP2."""
-        if _dist.is_wrapped(model):
+        if _compat.is_wrapped(model):
             _refuse_changes_to_wrapped(model, self.policy)
         if self.distributed != "fsdp" or type(self.optimizer) in (torch.optim.Adam, torch.optim.AdamW):
             fuse_default_optimizer(self.optimizer, model)  # FSDP2's DTensors have no rule for fused SGD
-        if _dist.is_wrapped(model):  # the user chose how to distribute it; its kept modules still run in fp32
-            fp32_modules.keep_fp32_(_dist.unwrap(model), self.policy.keep_fp32)
+        if _compat.is_wrapped(model):  # the user chose how to distribute it; its kept modules still run in fp32
+            fp32_modules.keep_fp32_(_compat.unwrap(model), self.policy.keep_fp32)
         else:
             model = self.policy.prepare_model(model)
-        input_format = self.policy.memory_format(_dist.unwrap(model))
+        input_format = self.policy.memory_format(_compat.unwrap(model))
         if self.compile_mode is not None:
-            _dist.unwrap(model).compile(mode=self.compile_mode)
-        if self.distributed and not _dist.is_wrapped(model):
+            _compat.unwrap(model).compile(mode=self.compile_mode)
+        if self.distributed and not _compat.is_wrapped(model):
             if self.distributed == "fsdp":  # FSDP2 shards only contiguous parameters; the inputs still steer cuDNN
                 model = model.to(memory_format=torch.contiguous_format)
             model = _dist.wrap(model, self.distributed, self.policy.compute_dtype, self.device, self.optimizer)
@@ -297,7 +297,7 @@ def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, i
 def _refuse_changes_to_wrapped(model: nn.Module, policy: PrecisionPolicy) -> None:
     """A ValueError if the policy would cast or re-lay the weights of a model wrapped in DDP or FSDP2: the wrapper's
     buckets or shards were built for them as they are, so it would train them unchanged under the policy's name."""
-    inner = _dist.unwrap(model)
+    inner = _compat.unwrap(model)
     kept = {id(p) for _, m in fp32_modules.select_modules(inner, policy.keep_fp32) for p in m.parameters()}
     layout = policy.memory_format(inner)
     params = list(inner.named_parameters())

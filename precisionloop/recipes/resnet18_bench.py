@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from precisionloop import FP8Policy, PrecisionPolicy, Trainer, autotune, get_policy
 from precisionloop.measure import Measurement, Run, format_memory, format_time, noisy_legend
+from precisionloop.policy import has_tf32
 from precisionloop.precisions import default_precisions
 from precisionloop.recipes import max_batch, models
 from precisionloop.recipes.timing import METHODS, choose_method, format_ratio, interleaved, paired_ratio
@@ -347,7 +348,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.device = device = parse_device(p, args.device)
     cuda, transformer = device.type == "cuda", args.model == TRANSFORMER
-    tf32 = cuda and torch.cuda.get_device_capability(device) >= (8, 0)
+    tf32 = has_tf32(device)
     args.baseline = "tf32" if tf32 else "fp32"
     native_bf16 = cuda or get_policy("auto", device).name == "bf16"  # emulated bf16 is ~10x slower than fp32
     given = args.precisions or ",".join(n for n in default_precisions(device.type) if (n != "tf32" or tf32)
