@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -130,20 +130,15 @@ class _FusedSGDFirstStep:
         return False
 
 
-@contextlib.contextmanager
-def _unfused_mixed_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Fused SGD groups mixing parameters with and without momentum buffers (which torch's fused SGD refuses) step,
-    inside the block, on the default implementation, which starts each new buffer itself."""
+def _unfuse_mixed_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Fused SGD groups mixing parameters with and without momentum buffers (which torch's fused SGD refuses) set to
+    step on the default implementation, which starts each new buffer itself; returned, to be set back."""
     mixed = [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
              and len({optimizer.state.get(p, {}).get("momentum_buffer") is None
                       for p in g["params"] if p.grad is not None}) == 2]
     for group in mixed:
         group["fused"] = False
-    try:
-        yield
-    finally:
-        for group in mixed:
-            group["fused"] = True
+    return mixed
 
 
 class _NoLossScale:
@@ -199,14 +194,15 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -
 
 
 class _Outcome:
-    """One optimizer step in one row, ``[non-finite, skip, scale, the micro-batch losses...]``: the check writes its
-    flag there and checks the losses in place (a copy, safe from the next CUDA-graph replay); ``send`` starts its
-    way to the host, on CUDA a copy without blocking and an event after it. NaN in the scale's place: no scaler."""
+    """One optimizer step in one row, ``[skip, non-finite, scale, the micro-batch losses...]``: the check writes its
+    flag into the skip's place and checks the losses in place (a copy, safe from the next CUDA-graph replay); a
+    policy's other judgement moves it to the second. ``send`` starts the row's way to the host, on CUDA a copy
+    without blocking and an event after it. NaN in the second place: not judged apart; in the scale's: no scaler."""
 
     __slots__ = ("row", "values", "event", "names", "flags")
 
     def __init__(self, losses: list[torch.Tensor], zero: torch.Tensor, nan: torch.Tensor):
-        self.row = torch.stack([zero, zero, nan, *losses]).float()  # a bf16 loss promoted, an fp64 one rounded
+        self.row = torch.stack([zero, nan, nan, *losses]).float()  # a bf16 loss promoted, an fp64 one rounded
         self.values, self.event, self.names, self.flags = self.row, None, (), None
 
     def send(self, names: list[str], flags: torch.Tensor | None) -> None:
@@ -229,7 +225,7 @@ class _Outcome:
         return self.values
 
     def skipped(self) -> bool:
-        return bool(self.read()[1])
+        return bool(self.read()[0])
 
     def scale(self) -> float | None:
         scale = self.read()[2]
@@ -283,7 +279,7 @@ class StepEngine:
                 self.loss_scale.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
                 self.unsynced = bool(self.distributed) and not syncs
                 self.micro += 1
-                loss = loss.detach().reshape(())  # a (1,) loss too: the outcome stacks scalars
+                loss = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())  # the outcome stacks scalars
                 if self.micro < self.grad_accum_steps:
                     # A CUDA-graph output would be overwritten by the next replay; the scale is updated in place.
                     self._losses.append(loss if self.compile_mode is None else loss.clone())
@@ -345,13 +341,19 @@ class StepEngine:
                 finally:
                     del self.optimizer.grad_scale, self.optimizer.found_inf
             elif not skip.item():  # the one host sync
-                with _unfused_mixed_groups(self.optimizer):
+                mixed = _unfuse_mixed_groups(self.optimizer)
+                try:
                     self.optimizer.step()
+                finally:
+                    for group in mixed:
+                        group["fused"] = True
             self.loss_scale.adjust(nonfinite, outcome.row[2])
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced, self.global_step, self._losses = 0, False, self.global_step + 1, []
             with contextlib.suppress(Exception):  # counted with the others (a second error would hide the first)
-                outcome.row[1].copy_(skip)
+                if skip is not nonfinite:
+                    outcome.row[1].copy_(nonfinite)
+                    outcome.row[0].copy_(skip)
                 outcome.send(names, flags)
                 self._pending.append(outcome)
         if after is not None:
@@ -371,8 +373,8 @@ class StepEngine:
         return self._zero_nan
 
     def _check(self, grads: list[torch.Tensor], row: torch.Tensor) -> torch.Tensor:
-        """``row[0]``: 1.0 if a gradient or a micro-batch loss (``row[3:]``) is not finite, else 0.0, the gradients
-        unscaled; alike on every rank."""
+        """``row[0]``: 1.0 if a gradient or a micro-batch loss (``row[3:]``) is not finite, else 0.0 (fp32: fused
+        optimizers skip only on exactly 1), the gradients unscaled; alike on every rank."""
         found = row[0]
         inverse = self.loss_scale.inverse()
         for group in _compat.group_by_device_and_dtype([_compat.dense_values(g) for g in grads]) if grads else ():
@@ -432,7 +434,8 @@ class StepEngine:
 
     def _count(self, values: list[float], outcome: _Outcome) -> None:
         """Count an outcome; then the scheduler's step if it was taken, the collapse warning, the skip limit."""
-        nonfinite, skipped, scale = bool(values[0]), bool(values[1]), outcome.scale()
+        skipped, scale = bool(values[0]), outcome.scale()
+        nonfinite = skipped if math.isnan(values[1]) else bool(values[1])
         self.last_loss = values[-1]
         self.stats.record(skipped, scale)
         if skipped and outcome.flags is not None:
