@@ -36,16 +36,14 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scal
     """Multiply gradients (all of one device and dtype) by ``inv_scale`` and set ``found_inf`` (fp32, one element)
     to 1 if one is not finite: GradScaler's fused unscale-and-check in one launch where it can; without a scale, a
     read-only foreach check where the fused kernel cannot run or its write-back would cost more than it saves."""
-    grads = [g for g in grads if g.numel()]
-    if not grads:
-        return
     device = grads[0].device.type
     fused = grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ())
     if fused and (inv_scale is not None or device == "cpu"
-                  or sum(g.numel() for g in grads) <= FUSED_CHECK_MAX_ELEMENTS):
+                  or sum(map(torch.Tensor.numel, grads)) <= FUSED_CHECK_MAX_ELEMENTS):
         scale = _one(found_inf.device) if inv_scale is None else inv_scale.to(found_inf.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale)
         return
+    grads = [g for g in grads if g.numel()]  # an inf-norm of nothing is an error
     found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
     torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
     if inv_scale is not None:
