@@ -88,9 +88,9 @@ class Trainer:
         """The loss scaler, or ``None`` when there is none."""
         self._engine = StepEngine(
             self.model, optimizer, policy, self.scaler, device_type=self.device.type, compile_mode=self.compile_mode,
-            forward_batch=self.forward_batch, compute_loss=self.compute_loss, scheduler=scheduler if self.scheduler_interval == "step" else None,
-            grad_accum_steps=grad_accum_steps, max_grad_norm=max_grad_norm,
-            max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
+            forward_batch=self.forward_batch, compute_loss=self.compute_loss,
+            scheduler=scheduler if self.scheduler_interval == "step" else None, grad_accum_steps=grad_accum_steps,
+            max_grad_norm=max_grad_norm, max_consecutive_skips=max_consecutive_skips, distributed=self.distributed)
 
     def _prepare(self, model: nn.Module) -> tuple[nn.Module, torch.memory_format]:
         """The policy's layout and ``keep_fp32``, then compile in place (state-dict keys unchanged), then DDP/FSDP2."""
@@ -112,7 +112,8 @@ class Trainer:
         return model, input_format
 
     is_main = property(lambda self: _dist.is_main(), doc="True on rank 0 (or the only process): it reports and saves.")
-    global_step = property(lambda self: self._engine.global_step, doc="Optimizer steps taken or skipped.")
+    global_step = property(lambda self: self._engine.global_step,
+                           doc="Optimizer steps taken or skipped, as they are queued (``stats.steps``: as counted).")
     grad_accum_steps = property(lambda self: self._engine.grad_accum_steps, doc="Micro-batches per optimizer step.")
     max_grad_norm = property(lambda self: self._engine.max_grad_norm, doc="The clipping norm, or None.")
 
