@@ -101,7 +101,8 @@ def set_rng_state(state: dict) -> None:
 
 def trainer_state(trainer) -> dict:
     """Everything a Trainer needs to resume exactly, as a ``weights_only``-loadable dict."""
-    engine, scheduler = trainer._engine.state_dict(), trainer.scheduler  # first: it refuses an open accumulation
+    engine = trainer._engine.state_dict()  # first: it refuses an open accumulation
+    scheduler = trainer.scheduler
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
     rng = rng_state()
     return {
