@@ -449,13 +449,17 @@ class StepEngine:
                           "non-finite even unscaled, so fp16 is unlikely to train this model", RuntimeWarning,
                           stacklevel=_compat.stacklevel_outside_package())
         if skipped and self.consecutive_skips == self.max_consecutive_skips:  # once a run: a save can follow
-            why = "for non-finite gradients or loss" if nonfinite else "by the policy's should_skip (all finite)"
+            why = "by the policy's should_skip, with finite gradients and loss"
+            advice = "check what the policy's should_skip judges by, such as a gradient-norm bound"
+            if nonfinite:
+                why = "for non-finite gradients or loss"
+                advice = "the loss or the model diverged. Lower the learning rate or check the data"
+                advice += "" if scale is None else ", or try precision='bf16', which needs no loss scale"
             raise RuntimeError(
                 f"{self.consecutive_skips} optimizer steps in a row were skipped {why} (at optimizer step "
                 f"{self.stats.steps}" + ("" if scale is None else f", loss scale {scale}")
                 + (f"; non-finite gradients in {', '.join(self.stats.nonfinite[:8])}" if self.stats.nonfinite else "")
-                + "); the loss or the model diverged. Lower the learning rate or check the data"
-                + ("" if scale is None else ", or try precision='bf16', which needs no loss scale"))
+                + f"); {advice}")
 
     def state_dict(self) -> dict:
         """The loss scaler's state, the counters and the stats, every outcome counted first.
