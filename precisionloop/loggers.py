@@ -9,9 +9,16 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
+
+import torch
 
 __all__ = ["CSVLogger", "TensorBoardLogger"]
+
+
+def _number(value: Any) -> Any:
+    """A one-element tensor's number (a 0-d loss, say); anything else as it is."""
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 class CSVLogger:
@@ -27,7 +34,7 @@ class CSVLogger:
         self._rows: list[dict] = []
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        row = {"step": step, **metrics}
+        row = {"step": step, **{k: _number(v) for k, v in metrics.items()}}
         self._rows.append(row)
         new = [k for k in row if k not in self._columns]
         self._columns += new
@@ -48,7 +55,7 @@ class CSVLogger:
 
 
 class TensorBoardLogger:
-    """Scalars for TensorBoard through ``torch.utils.tensorboard`` (``pip install "precisionloop[tensorboard]"``).
+    """Scalars for TensorBoard through ``torch.utils.tensorboard`` (``pip install tensorboard``).
 
     Args:
         log_dir: the run's directory, as TensorBoard's ``--logdir`` sees it.
@@ -61,12 +68,12 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError('TensorBoardLogger needs the tensorboard package: pip install "precisionloop[tensorboard]"'
-                             ) from None
+            raise ValueError("TensorBoardLogger needs the tensorboard package: pip install tensorboard") from None
         self.writer = SummaryWriter(log_dir=os.fspath(log_dir))
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         for name, value in metrics.items():
+            value = _number(value)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.writer.add_scalar(name, value, step)
         self.writer.flush()

@@ -25,7 +25,7 @@ PRECISIONS: dict[str, Callable[[], PrecisionPolicy]] = {
     "fp8": FP8Policy,
 }
 _ALIASES = {
-    "float32": "fp32", "32": "fp32", "32-true": "fp32", "full": "fp32",
+    "float32": "fp32", "32": "fp32", "32-true": "fp32", "full": "fp32", "no": "fp32",
     "bfloat16": "bf16", "bf16-mixed": "bf16", "pure-bf16": "bf16-pure",
     "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16",
     "float8": "fp8", "8": "fp8",

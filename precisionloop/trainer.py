@@ -144,9 +144,10 @@ class Trainer:
                 changed).
         """
         if self._takes_pairs and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            hint = (" (fit and evaluate take batches: a DataLoader, or a list of (inputs, targets) pairs, not "
+                    "[inputs, targets])" if isinstance(batch, torch.Tensor) else "")
             raise TypeError(f"the default forward_batch expects a batch of (inputs, targets), got {type(batch).__name__}"
-                            "; override Trainer.forward_batch for other batch shapes; nothing was "
-                            "changed")
+                            f"{hint}; override Trainer.forward_batch for other batch shapes; nothing was changed")
         with self.policy.backend_flags(self.device.type):
             return self._engine.step(self.to_device(batch))
 

@@ -128,6 +128,13 @@ def test_a_scheduler_without_an_interval_is_refused_naming_both_choices():
     Trainer(model, opt, "fp32", device="cpu", scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))  # implied
 
 
+def test_fit_over_two_tensors_names_a_loader_of_batches():
+    m, t = mk()
+    with pytest.raises(TypeError, match=r"fit and evaluate take batches: a DataLoader, or a list of \(inputs, targets\)"):
+        t.fit([torch.randn(4, 8), torch.tensor([0, 1, 2, 0])], progress=False)
+    assert t.global_step == 0
+
+
 @pytest.mark.parametrize("batch, names", [(torch.randn(4, 8), "forward_batch"), (dict_batch(1), "forward_batch")],
                          ids=["a tensor", "a dict"])
 def test_a_batch_that_is_not_inputs_and_targets_names_the_method_to_override(batch, names):

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWar
     "spec, name",
     [
         ("fp32", "fp32"), ("FP32", "fp32"), ("float32", "fp32"), ("32", "fp32"), (32, "fp32"), (" 32-true ", "fp32"),
+        ("no", "fp32"),
         (torch.float32, "fp32"),
         ("tf32", "tf32"), ("TF32", "tf32"),
         ("bf16", "bf16"), ("BFloat16", "bf16"), ("bf16-mixed", "bf16"), (torch.bfloat16, "bf16"),
