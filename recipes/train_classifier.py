@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     history = trainer.fit(
         train_loader, epochs=args.epochs, val_loader=val_loader,
-        metrics={"accuracy": MulticlassAccuracy(num_classes=10)},
+        metrics={"accuracy": MulticlassAccuracy(num_classes=10, average="micro")},
         max_steps=args.max_steps, progress=not args.no_progress,
         checkpoints=Checkpoints(args.checkpoint_dir, every=100, keep_last=3) if args.checkpoint_dir else None,
     )
