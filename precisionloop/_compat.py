@@ -44,6 +44,8 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scal
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale)
         return
     grads = [g for g in grads if g.numel()]  # an inf-norm of nothing is an error
+    if not grads:
+        return
     found = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf"))))).any()
     torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
     if inv_scale is not None:
