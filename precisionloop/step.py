@@ -108,37 +108,21 @@ def _check_loss(loss: Any) -> None:
                            "frozen, or was it computed under torch.no_grad()? Nothing was changed")
 
 
-class _FusedSGDFirstStep:
-    """Whether a fused SGD with momentum is about to step a parameter without a momentum buffer: torch makes them
-    with ``empty_like`` and fills them in the kernel, so a step skipped on the device would leave garbage there.
-    Until they exist the skip is decided on the host; the scan is redone only when the groups or the state change."""
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._waiting: list[torch.Tensor] = []
-
-    def needs_host(self, optimizer: torch.optim.Optimizer) -> bool:
-        key = (tuple((id(g["params"]), len(g["params"]), g.get("fused"), g.get("momentum")) for g in optimizer.param_groups),
-               id(optimizer.state), len(optimizer.state))
-        if key == self._key and not any(p.grad is not None for p in self._waiting):
-            return False
-        waiting = [p for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
-                   for p in g["params"] if optimizer.state.get(p, {}).get("momentum_buffer") is None]
-        if any(p.grad is not None for p in waiting):
-            return True
-        self._key, self._waiting = key, waiting
-        return False
-
-
-def _unfuse_mixed_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Fused SGD groups mixing parameters with and without momentum buffers (which torch's fused SGD refuses) set to
-    step on the default implementation, which starts each new buffer itself; returned, to be set back."""
-    mixed = [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0
-             and len({optimizer.state.get(p, {}).get("momentum_buffer") is None
-                      for p in g["params"] if p.grad is not None}) == 2]
-    for group in mixed:
-        group["fused"] = False
-    return mixed
+def _start_momentum_buffers(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> bool:
+    """Zero momentum buffers for a fused SGD's parameters about to take their first step; whether the step may then be
+    skipped on the device. torch makes them with ``empty_like`` and fills them in the kernel, so a skip would leave
+    garbage, and refuses a mix of parameters with and without them. Without dampening, momentum from zero takes the
+    same first step (the buffer becomes the gradient); with it, the step is skipped on the host."""
+    if len(optimizer.state) >= len(params):  # every parameter has stepped: nothing to start
+        return True
+    for group in optimizer.param_groups:
+        if group.get("fused") and group.get("momentum", 0) != 0:
+            for p in group["params"]:
+                if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
+                    if group["dampening"] != 0:
+                        return False
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return True
 
 
 class _NoLossScale:
@@ -258,7 +242,6 @@ class StepEngine:
         self.micro = self.global_step = self.consecutive_skips = 0
         self.collapse_warned = self.unsynced = self.sync_next = False  # sync_next: fit's last micro-batch of an epoch
         self.probe: Callable[[int], Callable[[], None] | None] | None = None
-        self._first_sgd = _FusedSGDFirstStep()
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
         self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
         self._zero_nan: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -334,19 +317,14 @@ class StepEngine:
 
         skip = self.policy.should_skip(nonfinite, grad_norm)
         try:
-            if _compat.skips_on_device(self.optimizer) and not self._first_sgd.needs_host(self.optimizer):
+            if _compat.skips_on_device(self.optimizer) and _start_momentum_buffers(self.optimizer, params):
                 self.optimizer.grad_scale, self.optimizer.found_inf = None, skip  # GradScaler's contract
                 try:
                     self.optimizer.step()
                 finally:
                     del self.optimizer.grad_scale, self.optimizer.found_inf
             elif not skip.item():  # the one host sync
-                mixed = _unfuse_mixed_groups(self.optimizer)
-                try:
-                    self.optimizer.step()
-                finally:
-                    for group in mixed:
-                        group["fused"] = True
+                self.optimizer.step()
             self.loss_scale.adjust(nonfinite, outcome.row[2])
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced, self.global_step, self._losses = 0, False, self.global_step + 1, []
