@@ -22,12 +22,10 @@ class Run:
     """A step, the ``context`` its steps run in (a context manager or a factory of fresh ones), a ``teardown`` after."""
 
     step: Callable[[], object]
-    context: ContextManager | Callable[[], ContextManager] | None = None
+    context: ContextManager | Callable[[], ContextManager] = contextlib.nullcontext
     teardown: Callable[[], None] | None = None
 
     def enter(self) -> ContextManager:
-        if self.context is None:
-            return contextlib.nullcontext()
         fresh = not hasattr(self.context, "__enter__") or isinstance(self.context, type)  # torch.no_grad is a factory
         return self.context() if fresh else self.context
 
@@ -55,14 +53,12 @@ class Measurement:
 
 
 def warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
-    """``warmup`` untimed steps; on CUDA the cache is emptied and the peaks restarted after the first and before the
+    """``warmup`` untimed steps; on CUDA the memory is reset (:func:`reset_memory`) after the first and before the
     last, so the peaks are a steady-state step's (cuDNN's trials and the optimizer state's creation dropped)."""
     for i in range(warmup):
         step()
         if i == max(warmup - 2, 0) and device.type == "cuda":  # never between alternating blocks: the cache stays warm
-            sync(device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_memory(device)
 
 
 def sync(device: torch.device) -> None:
