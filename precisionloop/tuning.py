@@ -176,10 +176,9 @@ def _judge(candidate: Candidate, seen: dict, timing: measure.Measurement, refere
 
 def _complexity(candidate: Candidate, model: nn.Module, device: torch.device) -> tuple[int, int]:
     """(compiled, not the policy's default layout): the tie rule prefers the smaller."""
-    conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
-    natural = conv and device.type == "cuda"  # what a policy with channels_last=None picks
-    layout = natural if candidate.channels_last is None else (candidate.channels_last and conv)
-    return int(bool(candidate.compile)), int(layout != natural)
+    # channels_last=None picks channels_last for conv models on CUDA only; for other models the layout is moot.
+    off_default = candidate.channels_last not in (None, device.type == "cuda")
+    return int(bool(candidate.compile)), int(off_default and any(isinstance(m, nn.Conv2d) for m in model.modules()))
 
 
 def optimizer_like(optimizer: torch.optim.Optimizer, model: nn.Module) -> _OptimizerFactory:
