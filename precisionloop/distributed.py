@@ -99,14 +99,12 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         with model.no_sync():
             yield
-    elif hasattr(model, "set_requires_gradient_sync"):
+    else:  # an FSDPModule: a distributed Trainer's model is always one or the other
         model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
-    else:
-        yield
 
 
 def average_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
