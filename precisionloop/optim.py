@@ -33,20 +33,18 @@ def _update(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, 
 @functools.cache
 def _compiled_update():
     """``_update`` as one graph for all the parameters (eager, each one's update is about twenty kernel launches);
-    made on first use, so that importing precisionloop does not load torch.compile. torch.compile keeps a graph
-    per set of shapes up to its recompile limit (8); past it, an update runs eagerly, slower."""
+    made on first use, so that importing precisionloop does not load torch.compile."""
     return torch.compile(_update, dynamic=False)
 
 
 class BF16AdamW(torch.optim.Optimizer):
     """AdamW for ``precision="bf16-pure"``: the update runs in fp32 and each bf16 weight is rounded stochastically.
 
-    A bf16 weight rounded to nearest loses every update smaller than half its last bit; rounded up or down with
-    the odds of its distance to each, it keeps them on average. The moments are kept in the parameter's dtype
-    and rounded the same way; an fp32 parameter (a ``keep_fp32`` module's) is updated in fp32. On CUDA the update
-    of a parameter group is one compiled function, compiled on the first step. Like torch's fused optimizers it
-    takes the inf/NaN flag as a tensor, so the Trainer skips a step without a host sync. ``params``, ``lr``,
-    ``betas``, ``eps`` and ``weight_decay`` are :class:`torch.optim.AdamW`'s; its other options only at their defaults.
+    Rounded up or down with the odds of its distance to each, a bf16 weight keeps on average the updates that
+    rounding to nearest loses; the moments, kept in the parameter's dtype, are rounded alike, and an fp32 parameter
+    (a ``keep_fp32`` module's) is updated in fp32. On CUDA a group's update is compiled on the first step; like
+    torch's fused optimizers, it skips a step on the device. ``params``, ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` are :class:`torch.optim.AdamW`'s; its other options only at their defaults.
     """
 
     bf16_stochastic_round = True  # what precision "bf16-pure" asks of an optimizer
@@ -60,20 +58,23 @@ class BF16AdamW(torch.optim.Optimizer):
     def _refuse_options(self, group: dict) -> None:
         for name, default in torch.optim.AdamW([torch.empty(0)]).defaults.items():  # the options its state_dict holds
             if name not in self.defaults and group.get(name, default) != default:
-                raise ValueError(f"BF16AdamW has no {name}={group[name]!r}: leave it at {default!r}, or use torch.optim.AdamW.")
+                raise ValueError(f"BF16AdamW has no {name}={group[name]!r}: leave it at {default!r}, "
+                                 "or use torch.optim.AdamW.")
 
     def add_param_group(self, param_group: dict) -> None:
         self._refuse_options(param_group)
         super().add_param_group(param_group)
         if any(p.dtype == torch.float16 for p in param_group["params"]):
             self.param_groups.pop()  # the optimizer as it was
-            raise ValueError("BF16AdamW cannot update fp16 weights (their moments underflow): use bf16 weights or torch.optim.AdamW.")
+            raise ValueError("BF16AdamW cannot update fp16 weights (their moments underflow): use bf16 weights "
+                             "or torch.optim.AdamW.")
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = None if closure is None else torch.enable_grad()(closure)()
         if any(p.grad is not None and p.grad.is_sparse for group in self.param_groups for p in group["params"]):
-            raise ValueError("BF16AdamW cannot use a parameter's sparse gradient: make it dense, or use torch.optim.SparseAdam.")
+            raise ValueError("BF16AdamW cannot use a parameter's sparse gradient: make it dense, "
+                             "or use torch.optim.SparseAdam.")
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
@@ -84,7 +85,8 @@ class BF16AdamW(torch.optim.Optimizer):
             if not params:
                 continue
             states = [self.state[p] for p in params]
-            tensors = [params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]]
+            tensors = [params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                       [s["exp_avg_sq"] for s in states]]
             if hasattr(params[0], "to_local"):  # FSDP2: the update is elementwise, so each rank updates its shard
                 tensors = [[t.to_local() for t in ts] for ts in tensors]
             update = _compiled_update() if params[0].is_cuda else _update
