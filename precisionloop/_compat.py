@@ -96,12 +96,14 @@ def compiled_backward_like_eager() -> Iterator[None]:
     Set and restored by hand: ``config.patch`` costs four times as much, every step."""
     import torch._functorch.config as config
 
-    old = config.backward_pass_autocast
-    config.backward_pass_autocast = "off"
+    old = getattr(config, "backward_pass_autocast", None)  # torch 2.10 and later
+    if old is not None:
+        config.backward_pass_autocast = "off"
     try:
         yield
     finally:
-        config.backward_pass_autocast = old
+        if old is not None:
+            config.backward_pass_autocast = old
 
 
 def unwrap(model: nn.Module) -> nn.Module:
