@@ -21,7 +21,8 @@ class PrecisionPolicy:
     """How a training step handles precision, immutable; subclass it (or a concrete policy) for custom hardware.
 
     Args:
-        tf32: let fp32 matmuls and convolutions use TF32 tensor cores on CUDA.
+        tf32: fp32 matmuls and convolutions on CUDA use TF32 tensor cores (True), strict IEEE fp32 (False), or as
+            this process has them (None: the flag is left as found).
         cudnn_benchmark: autotune cuDNN algorithms; ``None`` follows ``tf32``.
         channels_last: 2-D convolution models in channels_last: ``None`` on CUDA only, ``True`` always, ``False`` never.
         keep_fp32: modules run in fp32 (autocast off, fp32 inputs): classes or ``named_modules()`` fnmatch patterns.
@@ -41,7 +42,7 @@ class PrecisionPolicy:
     compute_dtype: ClassVar[torch.dtype] = torch.float32
     param_dtype: ClassVar[torch.dtype] = torch.float32  # what prepare_model casts fp32 weights outside keep_fp32 to
 
-    tf32: bool = True
+    tf32: bool | None = True
     cudnn_benchmark: bool | None = None
     channels_last: bool | None = None
     keep_fp32: tuple = ()
@@ -72,11 +73,11 @@ class PrecisionPolicy:
         return nonfinite
 
     def backend_flags(self, device_type: str = "cuda") -> contextlib.AbstractContextManager:
-        """Set TF32 and ``cudnn.benchmark`` while the block runs, then restore the caller's values (CUDA only)."""
-        if device_type != "cuda":
-            return contextlib.nullcontext()
+        """Set the TF32 switches and ``cudnn.benchmark`` (process-wide, whatever the device type) while the block
+        runs, those not ``None``, then restore the caller's values."""
         benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
-        return _flags_set((*("tf32" if self.tf32 else "ieee",) * 3, benchmark))
+        precision = None if self.tf32 is None else "tf32" if self.tf32 else "ieee"
+        return _flags_set((precision, precision, precision, benchmark))
 
     def check_compile(self, mode: str | None, device_type: str) -> None:
         """Warn if this policy is known to run slowly with this compile mode; silent by default."""
@@ -122,13 +123,15 @@ class PrecisionPolicy:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FP32Policy(PrecisionPolicy):
-    """fp32 everywhere: ``tf32=False`` is strict IEEE fp32, ``tf32=True`` uses TF32 tensor cores."""
+    """fp32 everywhere: ``tf32=None`` (``"fp32"``) leaves TF32 and ``cudnn.benchmark`` as the process has them,
+    ``tf32=True`` (``"tf32"``) turns both on, ``tf32=False`` (``"fp32-strict"``) is strict IEEE fp32 without
+    ``cudnn.benchmark``, for reproducibility."""
 
-    tf32: bool = False
+    tf32: bool | None = None
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "tf32" if self.tf32 else "fp32"
+        return {None: "fp32", True: "tf32", False: "fp32-strict"}[self.tf32]
 
     def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
         """As :meth:`PrecisionPolicy.check_model`, and a ValueError for tf32 where there is no TF32 (it is fp32)."""
@@ -235,7 +238,8 @@ def warn_overridden_flags(policy: PrecisionPolicy) -> None:
                   if now not in default and want != now]
     if overridden:
         warnings.warn(f"precision {policy.name!r} overrides this process's {', '.join(overridden)} while it trains; "
-                      "precision='tf32' keeps TF32 on, or pass a policy with the tf32= and cudnn_benchmark= you want",
+                      "precision='fp32' leaves them as they are, or pass a policy with the tf32= and cudnn_benchmark= you "
+                      "want (None leaves one)",
                       UserWarning, stacklevel=_compat.stacklevel_outside_package())
 
 
@@ -273,11 +277,12 @@ def _current() -> tuple:
 
 @contextlib.contextmanager
 def _flags_set(wanted: tuple) -> Iterator[None]:
-    """Each of ``_FLAGS`` set to its wanted value for the block; every one that differs then is restored after."""
+    """Each of ``_FLAGS`` set to its wanted value, unless None, for the block; every one that differs then is restored
+    after."""
     saved = _current()
     try:
         for (owner, name), value, was in zip(_FLAGS, wanted, saved):
-            if value != was:
+            if value is not None and value != was:
                 setattr(owner, name, value)
         yield
     finally:  # also after a write refused midway: nothing set stays set

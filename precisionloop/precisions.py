@@ -17,7 +17,8 @@ __all__ = ["PRECISIONS", "get_policy", "default_precisions"]
 log = logging.getLogger(__name__)
 
 PRECISIONS: dict[str, Callable[[], PrecisionPolicy]] = {
-    "fp32": lambda: FP32Policy(tf32=False),
+    "fp32": FP32Policy,
+    "fp32-strict": lambda: FP32Policy(tf32=False),
     "tf32": lambda: FP32Policy(tf32=True),
     "bf16": BF16Policy,
     "bf16-pure": BF16PurePolicy,
@@ -34,10 +35,11 @@ _ALIASES = {
 
 
 def default_precisions(device_type: str) -> list[str]:
-    """The precisions autotune and the benchmark compare by default, in order; tf32 and fp16 only on CUDA."""
+    """The precisions autotune and the benchmark compare by default, in order, the first strict fp32 (their reference);
+    tf32 and fp16 only on CUDA."""
     # Not bf16-pure (bf16 weights, a rounding optimizer) nor fp8 (torchao, compiled): added where asked for. Off CUDA
-    # there is no TF32, and fp16 autocast on the CPU is about 20x slower than fp32.
-    return [name for name in ("fp32", "tf32", "bf16", "fp16") if device_type == "cuda" or name in ("fp32", "bf16")]
+    # the TF32 switches change nothing, so fp32 is strict, and fp16 autocast on the CPU is about 20x slower than fp32.
+    return ["fp32-strict", "tf32", "bf16", "fp16"] if device_type == "cuda" else ["fp32", "bf16"]
 
 
 def get_policy(spec: str | int | torch.dtype | PrecisionPolicy,
@@ -45,7 +47,7 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy,
     """Turn a precision spec into a policy.
 
     Args:
-        spec: ``"fp32"`` (strict, TF32 off), ``"tf32"``, ``"bf16"``, ``"bf16-pure"`` (bf16 weights, no fp32 master
+        spec: ``"fp32"`` (TF32 as the process has it), ``"fp32-strict"`` (strict IEEE), ``"tf32"``, ``"bf16"``, ``"bf16-pure"`` (bf16 weights, no fp32 master
             copy), ``"fp16"``, ``"fp8"``, ``"auto"``, an alias (``"half"``, Lightning's ``"bf16-mixed"``, ...;
             case-insensitive), a torch dtype, or a policy instance, which is returned unchanged.
         device: the device ``"auto"`` chooses for; the current CUDA device or the CPU when ``None``.
@@ -80,6 +82,6 @@ def _auto_policy(device: torch.device) -> PrecisionPolicy:
     elif device.type == "cpu" and _compat.cpu_bf16_native():
         policy = BF16Policy(note="auto: this CPU runs bf16 natively")
     else:
-        policy = FP32Policy(note=f"auto: no native reduced precision (nor TF32) found for {device}, so fp32")
+        policy = FP32Policy(tf32=False, note=f"auto: no native reduced precision (nor TF32) found for {device}, so fp32")
     log.info("precision='auto' chose %s: %s", policy.name, policy.note)
     return policy

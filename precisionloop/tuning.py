@@ -115,7 +115,7 @@ def tune(trainer_cls: type, model: nn.Module, make_optimizer: _OptimizerFactory,
     """
     device = resolve_device(trainer_options.get("device"))
     candidates = list(candidates) if candidates is not None else default_candidates(model, device, compile=compile)
-    reference = Candidate("fp32", channels_last=False)
+    reference = Candidate(default_precisions(device.type)[0], channels_last=False)
     options = {**trainer_options, "device": device, "distributed": None}
     trials = {c: _trial(trainer_cls, c, model, make_optimizer, sample_batch, options)
               for c in dict.fromkeys([reference, *candidates])}

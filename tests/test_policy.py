@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWar
     [
         ("fp32", "fp32"), ("FP32", "fp32"), ("float32", "fp32"), ("32", "fp32"), (32, "fp32"), (" 32-true ", "fp32"),
         ("no", "fp32"),
-        (torch.float32, "fp32"),
+        (torch.float32, "fp32"), ("fp32-strict", "fp32-strict"), ("FP32-Strict", "fp32-strict"),
         ("tf32", "tf32"), ("TF32", "tf32"),
         ("bf16", "bf16"), ("BFloat16", "bf16"), ("bf16-mixed", "bf16"), (torch.bfloat16, "bf16"),
         ("bf16-pure", "bf16-pure"), (" BF16-Pure ", "bf16-pure"), ("pure-bf16", "bf16-pure"),
@@ -35,9 +35,10 @@ def test_name_table(spec, name):
 
 
 def test_table_semantics():
-    strict, tf32 = get_policy("fp32"), get_policy("tf32")
-    assert isinstance(strict, FP32Policy) and not strict.tf32
-    assert isinstance(tf32, FP32Policy) and tf32.tf32
+    fp32, strict, tf32 = get_policy("fp32"), get_policy("fp32-strict"), get_policy("tf32")
+    assert isinstance(fp32, FP32Policy) and fp32.tf32 is None
+    assert isinstance(strict, FP32Policy) and strict.tf32 is False
+    assert isinstance(tf32, FP32Policy) and tf32.tf32 is True
     assert get_policy("bf16").compute_dtype == torch.bfloat16 and get_policy("bf16").tf32
     assert get_policy("fp16").compute_dtype == torch.float16 and get_policy("fp16").tf32
     assert get_policy("fp16").make_scaler("cpu").get_scale() == 2.0**16
@@ -71,7 +72,7 @@ def test_auto_on_cpu_is_visible(caplog):
     with caplog.at_level(logging.INFO, logger="precisionloop"):
         policy = get_policy("auto", "cpu")
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN's check
-    assert policy.name == "bf16" if native else policy.name in ("fp32", "tf32")  # the CPU has no TF32: fp32 math
+    assert policy.name == ("bf16" if native else "fp32-strict")
     assert policy.compute_dtype == (torch.bfloat16 if native else torch.float32)
     assert any("auto" in r.getMessage() and policy.name in r.getMessage() for r in caplog.records)
 
@@ -95,7 +96,8 @@ def test_fp16_on_cpu_warns_at_construction_pointing_at_the_callers_line():
     assert record[0].filename == __file__
 
 
-@pytest.mark.parametrize("policy", [FP32Policy(), FP32Policy(tf32=True), BF16Policy(), FP16Policy(cudnn_benchmark=False)])
+@pytest.mark.parametrize("policy", [FP32Policy(tf32=False), FP32Policy(tf32=True), BF16Policy(),
+                                    FP16Policy(cudnn_benchmark=False)])
 def test_backend_flags_set_and_restored(policy):
     outside = (tf32_flags(not policy.tf32), not policy.tf32)
     write_flags(*outside)
@@ -108,6 +110,25 @@ def test_backend_flags_set_and_restored(policy):
         assert read_flags() == outside
         with pytest.raises(KeyError), policy.backend_flags():
             raise KeyError("boom")
+        assert read_flags() == outside
+    finally:
+        write_flags(tf32_flags(True), False)
+
+
+@pytest.mark.parametrize("script_tf32, script_benchmark", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("precision", ["fp32", "fp32-strict", "bf16"])
+def test_fp32_trains_with_the_flags_the_script_set_and_the_others_set_their_own(precision, script_tf32,
+                                                                               script_benchmark):
+    """Inside a step "fp32" sees TF32 and cudnn.benchmark as the script left them; "fp32-strict" strict IEEE without
+    benchmark; "bf16" TF32 and benchmark on. After the step, the script's flags again."""
+    model = Probe()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision, device="cpu")
+    outside = (tf32_flags(script_tf32), script_benchmark)
+    write_flags(*outside)
+    try:
+        trainer.step(batches(1)[0])
+        want = {"fp32": outside, "fp32-strict": (tf32_flags(False), False), "bf16": (tf32_flags(True), True)}
+        assert (model.seen[-1]["tf32"], model.seen[-1]["benchmark"]) == want[precision]
         assert read_flags() == outside
     finally:
         write_flags(tf32_flags(True), False)

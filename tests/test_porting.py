@@ -84,7 +84,7 @@ def test_the_progress_bar_names_the_precision(capsys):
 
 
 @pytest.mark.gpu
-def test_a_policy_that_overrides_the_users_tf32_warns_once_naming_tf32():
+def test_a_policy_that_overrides_the_users_tf32_warns_once_naming_fp32():
     matmul = torch.backends.cuda.matmul
     new_api = hasattr(matmul, "fp32_precision")
     saved = matmul.fp32_precision if new_api else matmul.allow_tf32
@@ -92,16 +92,17 @@ def test_a_policy_that_overrides_the_users_tf32_warns_once_naming_tf32():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # torch's defaults are nobody's choice: no warning for a conv model
-            Trainer(conv, torch.optim.SGD(conv.parameters(), lr=0.1), "fp32")
+            Trainer(conv, torch.optim.SGD(conv.parameters(), lr=0.1), "fp32-strict")
         matmul.allow_tf32 = True  # what a script does at its top
         model = nn.Linear(8, 4)
-        with pytest.warns(UserWarning, match="precision='tf32' keeps TF32 on") as record:
-            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
+        with pytest.warns(UserWarning, match="precision='fp32' leaves them as they are") as record:
+            trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32-strict")
         assert len(record) == 1
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             trainer.step((torch.randn(4, 8), torch.randint(0, 4, (4,))))  # once, at construction
             Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "tf32")
+            Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32")
         assert (matmul.fp32_precision if new_api else matmul.allow_tf32) in ("tf32", True)  # restored after the step
     finally:
         if new_api:

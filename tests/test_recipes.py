@@ -103,11 +103,11 @@ def test_the_recipe_reports_autotunes_choice(capsys):
 def test_the_baseline_is_tf32_only_on_cuda_with_tf32(monkeypatch, capsys):
     _cuda_of(monkeypatch, (8, 0))
     args = resnet18_bench.parse_args([])
-    assert args.precisions == ["fp32", "tf32", "bf16", "fp16"] and args.baseline == "tf32"
+    assert args.precisions == ["fp32-strict", "tf32", "bf16", "fp16"] and args.baseline == "tf32"
     assert (args.batch_sizes, args.iters, args.warmup, args.image_size) == ([32, 128], 50, 15, 224)
     _cuda_of(monkeypatch, (7, 5))
     args = resnet18_bench.parse_args(["--model", "transformer"])
-    assert args.precisions == ["fp32", "bf16", "fp16"] and args.baseline == "fp32"
+    assert args.precisions == ["fp32-strict", "bf16", "fp16"] and args.baseline == "fp32-strict"
     assert args.sizes == models.REFERENCE and args.batch_sizes == [8] and args.image_size is None
     with pytest.raises(SystemExit):
         resnet18_bench.parse_args(["--precisions", "tf32"])

@@ -4,7 +4,7 @@ Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. ``T
 hand-written torch.amp loop with the same settings, in interleaved rounds of fresh instances
 (:func:`precisionloop.recipes.timing.interleaved`), by the method that fits what is timed (``--method``): on CUDA
 compiled steps back to back, eager steps alternating between the systems step by step; on the CPU one system after
-the other. Each figure is the median over rounds [min-max], with its speed-up over tf32 (strict fp32 without TF32).
+the other. Each figure is the median over rounds [min-max], with its speed-up over tf32 (fp32-strict where there is no TF32).
 ``--model transformer`` times a Linear-heavy decoder stack (:mod:`precisionloop.recipes.models`) on random tokens.
 """
 
@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.device = device = parse_device(p, args.device)
     cuda, transformer = device.type == "cuda", args.model == TRANSFORMER
     tf32 = has_tf32(device)
-    args.baseline = "tf32" if tf32 else "fp32"
+    args.baseline = "tf32" if tf32 else default_precisions(device.type)[0]
     native_bf16 = cuda or get_policy("auto", device).name == "bf16"  # emulated bf16 is ~10x slower than fp32
     given = args.precisions or ",".join(n for n in default_precisions(device.type) if (n != "tf32" or tf32)
                                         and (n != "bf16" or native_bf16))
