@@ -137,11 +137,6 @@ def gradient_underflow(model: nn.Module | Iterable[tuple[str, torch.Tensor]], dt
     Raises:
         ValueError: ``dtype`` is not a floating-point torch dtype narrower than float64, ``scale`` is none of the
             above, or no nonzero gradient exists.
-
-    Example:
-        >>> report = gradient_underflow([("w", torch.tensor([1e-9, 1e-3, 0.0]))])
-        >>> report.nonzero, report.underflow, report.underflow_scaled
-        (2, 0.5, 0.0)
     """
     _check_format(dtype, scale)
     scale = scale if isinstance(scale, str) else float(scale)
@@ -202,11 +197,10 @@ class PrecisionReport:
 
 
 def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = FORMATS) -> PrecisionReport:
-    """What each format would do to every ``nn.Linear`` and convolution's inputs, weights and output gradients, from
-    one forward and backward of ``batch`` through ``trainer``'s ``forward_batch`` and ``compute_loss`` under its
-    policy: under bf16 autocast the outputs and their gradients are bf16 already (an fp32 Trainer shows every format
-    from fp32). fp8 formats are scaled tensorwise, as torchao's default recipe does; 16-bit ones are cast as they are.
-    Nothing changes: weights, optimizer state, counters, gradients, buffers, train or eval modes, RNG state.
+    """What each format would do to every ``nn.Linear`` and convolution's inputs, weights and output gradients in
+    one forward and backward of ``batch`` through ``trainer`` under its policy (an fp32 Trainer shows every format
+    from fp32), fp8 formats scaled tensorwise as torchao's default recipe does. Nothing changes: weights, optimizer
+    state, counters, gradients, buffers, train or eval modes, RNG state.
 
     Raises:
         ValueError: a compiled or distributed Trainer, or a format not a floating-point torch dtype below float64.
@@ -230,25 +224,23 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: measure(layers[module], "output grad", grad))
 
-    params, buffers, modes = list(model.parameters()), list(model.buffers()), {m: m.training for m in model.modules()}
-    grads, saved = [p.grad for p in params], [b.detach().clone() for b in buffers]
+    modes = {m: m.training for m in model.modules()}
+    buffers = list(model.buffers())
+    saved = [b.detach().clone() for b in buffers]
     handles = [m.register_forward_hook(hook) for m in layers]
     devices = [trainer.device] if trainer.device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():  # dropout draws as training would
             model.train()
-            model.zero_grad(set_to_none=True)
             with trainer.autocast():
                 loss = trainer.compute_loss(*trainer.forward_batch(trainer.to_device(batch)))
-            with trainer.policy.backend_flags(trainer.device.type):
-                loss.backward()
+            with trainer.policy.backend_flags(trainer.device.type):  # returns the gradients: .grad stays as it was
+                torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], allow_unused=True)
         for module, name in layers.items():
             measure(name, "weight", module.weight)
     finally:
         for handle in handles:
             handle.remove()
-        for p, grad in zip(params, grads):
-            p.grad = grad
         with torch.no_grad():
             for b, value in zip(buffers, saved):
                 b.copy_(value)
@@ -283,7 +275,8 @@ class LostUpdates:
         return "\n".join(lines + [f"    {n}  {f:.4%}" for n, f in worst])
 
 
-def lost_updates(before: Mapping[str, torch.Tensor], model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> LostUpdates:
+def lost_updates(before: Mapping[str, torch.Tensor], model: nn.Module,
+                 dtype: torch.dtype = torch.bfloat16) -> LostUpdates:
     """The share of a step's nonzero updates that weights stored in ``dtype`` would lose: the update added to the
     old weight in ``dtype`` rounds back to it (round to nearest even, the real cast).
 
@@ -291,15 +284,6 @@ def lost_updates(before: Mapping[str, torch.Tensor], model: nn.Module, dtype: to
         before: ``{name: parameter.detach().clone()}`` taken before the step, for the parameters to count.
         model: the model after the step, fp32 weights (a ``"bf16-pure"`` model has lost its updates already).
         dtype: the storage format to test.
-
-    Example:
-        >>> w = nn.Linear(2, 1, bias=False)
-        >>> _ = nn.init.ones_(w.weight)
-        >>> before = {"weight": w.weight.detach().clone()}
-        >>> with torch.no_grad():
-        ...     w.weight += torch.tensor([[1e-4, 1e-2]])
-        >>> lost_updates(before, w).lost
-        0.5
     """
     _check_format(dtype, 1.0)
     names, rows = [], []
