@@ -23,12 +23,7 @@ _ALIGNMENT = 16  # torch._scaled_mm needs both dimensions of each fp8 operand to
 
 def default_layers(model: nn.Module) -> tuple[str, ...]:
     """The layers ``FP8Policy()`` converts: every plain ``nn.Linear`` with both dimensions multiples of 16 but the
-    model's first and last ``nn.Linear``, the most sensitive to rounding (embedding-like input, logits).
-
-    Example:
-        >>> default_layers(nn.Sequential(nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 30), nn.Linear(30, 4)))
-        ('1',)
-    """
+    model's first and last ``nn.Linear``, the most sensitive to rounding (embedding-like input, logits)."""
     inner = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)][1:-1]
     return tuple(name for name, m in inner if _unfit(m) is None)
 
@@ -100,12 +95,9 @@ class FP8Policy(BF16Policy):
             object.__setattr__(self, "layers", tuple(sorted(set(names))))  # frozen: one canonical form
 
     def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
-        """Raise, before anything changes, unless this policy can convert ``model`` on ``device``.
-
-        Raises:
-            ValueError: torchao is missing; ``device`` has no fp8 matmuls; a model wrapped in DDP or FSDP2 (it would
-                train without fp8); a named layer cannot be converted or is kept in fp32; no layer would be converted.
-        """
+        """A ValueError, before anything changes, if torchao is missing, ``device`` has no fp8 matmuls, the model is
+        wrapped in DDP or FSDP2 (it would train without fp8), a named layer cannot be converted or is kept in fp32, or
+        no layer would be converted."""
         require_torchao()
         if _compat.is_wrapped(model):
             raise ValueError("precision 'fp8' converts layers before wrapping: pass the plain model and "
@@ -129,11 +121,8 @@ class FP8Policy(BF16Policy):
                              "precision='bf16', or name the layers with FP8Policy(layers=...)")
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """bf16's preparation, then the chosen layers converted to torchao's ``Float8Linear`` in place.
-
-        Raises:
-            ValueError: torchao is missing, or the model's device has no fp8 matmuls (``emulate`` off).
-        """
+        """bf16's preparation, then the chosen layers converted to torchao's ``Float8Linear`` in place; a ValueError
+        if torchao is missing or the model's device has no fp8 matmuls (``emulate`` off)."""
         float8 = require_torchao()
         check_device(next((p.device for p in model.parameters()), torch.device("cpu")), self.emulate)
         model = super().prepare_model(model)
