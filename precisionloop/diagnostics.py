@@ -15,8 +15,7 @@ from . import _compat
 __all__ = ["gradient_underflow", "underflow_summary", "precision_report", "lost_updates", "UnderflowReport",
            "ParameterUnderflow", "PrecisionReport", "LostUpdates", "FORMATS"]
 
-FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-"""The formats :func:`precision_report` tests by default."""
+FORMATS = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)  # precision_report's default
 _AMAX_FLOOR = 1e-12  # torchao's: an all-zero tensor still gets a finite scale
 _NO_INF = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)  # they overflow past their largest value
 
