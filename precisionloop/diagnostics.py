@@ -159,14 +159,14 @@ def gradient_underflow(model: nn.Module | Iterable[tuple[str, torch.Tensor]], dt
 
 
 def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dict:
-    """The headline numbers of :func:`gradient_underflow`, which ``fit(underflow_every=N)`` keeps; all-zero or absent
-    gradients give ``nonzero`` 0 and fractions None."""
+    """The headline numbers of :func:`gradient_underflow`, which ``fit(underflow_every=N)`` keeps; gradients absent,
+    all zero or none finite (a NaN loss) give ``nonzero`` 0 and fractions None."""
     record = {"dtype": _name(dtype), "scale": float(scale), "nonzero": 0,
               "median_abs": None, "underflow": None, "underflow_scaled": None}
-    nonzero = [p.grad.ne(0).any() for p in model.parameters() if p.grad is not None]
-    if not nonzero or not bool(torch.stack(nonzero).any()):  # one host sync
+    try:
+        report = gradient_underflow(model, dtype, scale)
+    except ValueError:  # nothing to count: fit's dtype and scale are valid
         return record
-    report = gradient_underflow(model, dtype, scale)
     return {**record, **{key: getattr(report, key) for key in record if key not in ("dtype", "scale")}}
 
 

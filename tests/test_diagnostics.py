@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from conftest import batch, batches, mk, tiny_mlp
 
 from precisionloop import FP16Policy, Trainer
-from precisionloop.diagnostics import gradient_underflow, lost_updates, precision_report
+from precisionloop.diagnostics import gradient_underflow, lost_updates, precision_report, underflow_summary
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -215,3 +215,13 @@ def test_underflow_measurement_with_all_zero_gradients(tmp_path):
     assert len(t.underflow_history) == 2
     assert all(entry["nonzero"] == 0 for entry in t.underflow_history)
     assert t.save(tmp_path / "after.pt").is_file()
+
+
+def test_underflow_measurement_after_a_nan_loss_or_with_sparse_gradients():
+    """A step whose gradients are all NaN, and sparse gradients, are measured without an error."""
+    _, t = mk(loss_fn=lambda o, y: o.sum() * float("nan"))
+    t.fit([batch(2)], epochs=1, progress=False, underflow_every=1)
+    assert [entry["nonzero"] for entry in t.underflow_history] == [0]
+    embed = torch.nn.Embedding(10, 4, sparse=True)
+    embed(torch.tensor([1, 2])).sum().backward()
+    assert underflow_summary(embed, torch.float16, 65536.0)["nonzero"] == 8
