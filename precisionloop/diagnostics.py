@@ -224,8 +224,7 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
             output.register_hook(lambda grad: measure(layers[module], "output grad", grad))
 
     modes = {m: m.training for m in model.modules()}
-    buffers = list(model.buffers())
-    saved = [b.detach().clone() for b in buffers]
+    saved = {b: b.detach().clone() for b in model.buffers()}
     handles = [m.register_forward_hook(hook) for m in layers]
     devices = [trainer.device] if trainer.device.type == "cuda" else []
     try:
@@ -241,7 +240,7 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
         for handle in handles:
             handle.remove()
         with torch.no_grad():
-            for b, value in zip(buffers, saved):
+            for b, value in saved.items():
                 b.copy_(value)
         for module, mode in modes.items():
             module.training = mode
