@@ -7,7 +7,7 @@ import contextlib
 import importlib.metadata
 import os
 import random
-import tempfile
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -30,17 +30,17 @@ _WRITER = next((d.version for d in importlib.metadata.distributions(name="precis
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` so that ``path`` holds either the old file or the whole new one (a new name, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask()  # what open() would give
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
-        os.chmod(tmp, mode)
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:  # made as open() makes any file: the umask applies
+            if path.is_file():
+                os.chmod(tmp, path.stat().st_mode & 0o777)
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     with contextlib.suppress(OSError):  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -48,12 +48,6 @@ def atomic_save(obj: Any, path: Path) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it
-    os.umask(mask)
-    return mask
 
 
 def read(path: str | os.PathLike) -> dict:
@@ -132,9 +126,10 @@ def load_state(trainer, state: dict, source: str) -> None:
     if saved_groups != [len(g["params"]) for g in optimizer.param_groups]:
         problems.append(f"its optimizer parameter groups have sizes {saved_groups}, this optimizer's "
                         f"{[len(g['params']) for g in optimizer.param_groups]}")
-    if (state["scheduler_class"] or None) != (type(scheduler).__name__ if scheduler is not None else None):
+    scheduler_class = type(scheduler).__name__ if scheduler is not None else None
+    if state["scheduler_class"] != scheduler_class:
         problems.append(f"it was saved with scheduler {state['scheduler_class']}, this Trainer has "
-                        f"{type(scheduler).__name__ if scheduler is not None else 'none'}")
+                        f"{scheduler_class or 'none'}")
     elif scheduler is not None and state["scheduler_interval"] != trainer.scheduler_interval:
         problems.append(f"it was saved with scheduler_interval={state['scheduler_interval']!r}, this Trainer has "
                         f"{trainer.scheduler_interval!r}")
@@ -144,14 +139,10 @@ def load_state(trainer, state: dict, source: str) -> None:
         scale = "; the loss scale does not carry over" if state["scaler"] or trainer.scaler is not None else ""
         warnings.warn(f"{source} was saved under precision {state['precision']!r} and is loaded under "
                       f"{trainer.policy.name!r}{scale}", UserWarning, stacklevel=_compat.stacklevel_outside_package())
-    _restore(trainer, state)
-
-
-def _restore(trainer, state: dict) -> None:
     trainer._engine.load_state_dict(state)  # first: its pending outcomes would step the scheduler
-    _load_full_state(trainer.model, trainer.optimizer, state["model"], state["optimizer"], trainer.distributed)
-    if trainer.scheduler is not None:
-        trainer.scheduler.load_state_dict(state["scheduler"])
+    _load_full_state(trainer.model, optimizer, state["model"], state["optimizer"], trainer.distributed)
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
     trainer.epoch, trainer.batch_in_epoch = state["counters"]["epoch"], state["counters"]["batch_in_epoch"]
     trainer._rng_epoch_start = state["rng_epoch_start"]
     per_rank = state["rng_per_rank"]
