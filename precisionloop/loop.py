@@ -124,7 +124,12 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
 def _start_epoch(trainer, loader: Iterable) -> Any:
     """An iterator over this epoch's batches, past those already trained. An epoch begun before replays the shuffle
     it drew from its starting RNG state (the global RNGs, the loader's generators), then puts the RNG back."""
-    generators = _generators_of(loader)
+    generators: list[torch.Generator] = []  # those of its own a loader shuffles with, each once
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in generators):
+            generators.append(g)
     if trainer._rng_epoch_start is None:  # samplers draw their seeds from these when the iterator is made
         trainer.batch_in_epoch = 0
         trainer._rng_epoch_start = {**checkpoint.rng_state(), "loader": [g.get_state() for g in generators]}
@@ -146,17 +151,6 @@ def _start_epoch(trainer, loader: Iterable) -> Any:
     return iterator
 
 
-def _generators_of(loader: Iterable) -> list[torch.Generator]:
-    """The generators of its own a loader shuffles with (``DataLoader(generator=...)``, its sampler's), each once."""
-    found: list[torch.Generator] = []
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    for owner in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
-        g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not f for f in found):
-            found.append(g)
-    return found
-
-
 class _Epoch:
     """One epoch of ``fit``: the losses summed on the device (no sync per step), the time spent waiting for input.
     An exception escaping before an accumulation's optimizer step drops its gradients and puts ``batch_in_epoch``
@@ -172,9 +166,8 @@ class _Epoch:
         except TypeError:  # a generator, an IterableDataset's loader
             self.total = None
         self.first = trainer.batch_in_epoch if self.engine.accumulating() else None  # one opened by hand before fit too
-        self.rng, self.losses = None, []  # losses: summed into the two below 64 at a time, a few kernels, not per batch
-        self.loss_sum = torch.zeros((), device=trainer.device)
-        self.finite = torch.zeros((), dtype=torch.int64, device=trainer.device)
+        self.rng, self.losses = None, []  # losses: summed into totals 64 at a time, a few kernels, not per batch
+        self.totals = torch.zeros(2, device=trainer.device)  # the finite losses' sum and count
         self.count = self.samples = self.logged_samples = 0
         self.start = self.logged_at = time.perf_counter()
         self.data_s = 0.0
@@ -267,22 +260,21 @@ class _Epoch:
     def _fold(self, now: bool = True) -> None:
         if now and self.losses:
             losses, self.losses = torch.stack(self.losses).float(), []  # a bf16 loss summed in fp32
-            self.loss_sum += torch.where(torch.isfinite(losses), losses, 0.0).sum()
-            self.finite += torch.isfinite(losses).sum()
+            finite = torch.isfinite(losses)
+            self.totals += torch.stack([torch.where(finite, losses, 0.0).sum(), finite.sum()])
 
     def _record(self, complete: bool) -> dict:
         self._fold()
         trainer, elapsed = self.trainer, time.perf_counter() - self.start
-        loss_sum, finite, samples = self.loss_sum, self.finite, self.samples
+        totals = torch.cat([self.totals, self.totals.new_tensor([self.samples])])
         if trainer.distributed:
-            totals = _dist.all_reduce_sum_(torch.stack([loss_sum.float(), finite.float(),
-                                                        torch.tensor(float(samples), device=trainer.device)]))
-            loss_sum, finite, samples = totals[0], totals[1], int(totals[2])
-        stats, finite, steps = trainer.stats, int(finite), trainer.global_step - self.steps_before
+            _dist.all_reduce_sum_(totals)
+        loss_sum, finite, samples = totals.tolist()
+        stats, steps = trainer.stats, trainer.global_step - self.steps_before
         measured = [m for m in trainer.underflow_history if m["step"] > self.steps_before]
         return {
             "epoch": trainer.epoch + 1, "complete": complete,
-            "train_loss": float(loss_sum) / finite if finite else float("nan"),  # skipped steps' NaN losses left out
+            "train_loss": loss_sum / finite if finite else float("nan"),  # skipped steps' NaN losses left out
             "steps": steps, "skipped": stats.skipped - self.skipped_before, "time_s": elapsed,
             "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
             "data_s": self.data_s, "data_fraction": self.data_s / elapsed if elapsed > 0 else 0.0,
