@@ -30,7 +30,7 @@ class CSVLogger:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._columns: list[str] = ["step"]
+        self._columns: list[str] = []
         self._rows: list[dict] = []
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -38,7 +38,7 @@ class CSVLogger:
         self._rows.append(row)
         new = [k for k in row if k not in self._columns]
         self._columns += new
-        if new or len(self._rows) == 1:
+        if new:  # the first row too: its step is new
             self.path.parent.mkdir(parents=True, exist_ok=True)
             partial = self.path.with_name(self.path.name + ".partial")
             with partial.open("w", newline="") as f:

@@ -1,5 +1,4 @@
-"""The loop around the step: ``fit`` and ``evaluate``, progress, callbacks, loggers, periodic checkpoints and the
-replay that resumes an epoch exactly. It trains through ``trainer.step``, so a subclass's overrides count."""
+"""``fit`` and ``evaluate`` around the step; ``fit`` trains through ``trainer.step``, so a subclass's overrides count."""
 
 from __future__ import annotations
 
@@ -91,7 +90,7 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
     engine = trainer._engine
     reached = lambda: max_steps is not None and trainer.global_step >= max_steps  # noqa: E731
     options = dict(progress=progress, callbacks=callbacks, checkpoints=checkpoints, log_every=log_every,
-                   loggers=loggers, max_steps=max_steps)
+                   loggers=loggers, reached=reached)
     trainer.model.train()  # a model left in eval mode would train with frozen dropout and batch norms
     engine.set_probe(_underflow_probe(trainer, underflow_every) if underflow_every else None)
     history: list[dict] = []
@@ -168,7 +167,7 @@ class _Epoch:
         self.first = trainer.batch_in_epoch if self.engine.accumulating() else None  # one opened by hand before fit too
         self.rng, self.losses = None, []  # losses: summed into totals 64 at a time, a few kernels, not per batch
         self.totals = torch.zeros(2, device=trainer.device)  # the finite losses' sum and count
-        self.count = self.samples = self.logged_samples = 0
+        self.samples = self.logged_samples = 0
         self.start = self.logged_at = time.perf_counter()
         self.data_s = 0.0
 
@@ -189,7 +188,7 @@ class _Epoch:
         finally:
             self.engine.set_sync_next(False)
             bar.close()
-        if self.count == 0 and trainer.batch_in_epoch == 0:
+        if trainer.batch_in_epoch == 0:
             raise ValueError(f"train_loader yielded no batches in epoch {trainer.epoch + 1}: nothing was trained "
                              "(an empty dataset, or an iterator spent by an earlier epoch: pass a list or a DataLoader)")
         return self._record(complete)
@@ -212,9 +211,9 @@ class _Epoch:
             trainer.batch_in_epoch += 1
             self.losses.append(result._loss)
             self._fold(len(self.losses) == 64)
-            self.count, self.samples = self.count + 1, self.samples + batch_size(batch)
+            self.samples += batch_size(batch)
             bar.update(1)
-            if self.count % self.options["log_every"] == 0 and self.options["progress"]:
+            if trainer.batch_in_epoch % self.options["log_every"] == 0 and self.options["progress"]:
                 stats, last_loss = engine.counted()
                 scale = {} if stats.scale is None else {"scale": f"{stats.scale:g}"}
                 loss = f"{last_loss:.4g}" if last_loss is not None else "-"
@@ -255,7 +254,7 @@ class _Epoch:
             self.logged_at, self.logged_samples = now, self.samples
         if options["checkpoints"] is not None and trainer.global_step % options["checkpoints"].every == 0:
             options["checkpoints"].save(trainer)
-        return options["max_steps"] is not None and trainer.global_step >= options["max_steps"]
+        return options["reached"]()
 
     def _fold(self, now: bool = True) -> None:
         if now and self.losses:
