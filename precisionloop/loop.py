@@ -87,12 +87,11 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
         train_loader = _dist.shard_loader(train_loader)
         val_loader = _dist.shard_loader(val_loader) if val_loader is not None else None
         progress = progress and _dist.is_main()
-    engine = trainer._engine
     reached = lambda: max_steps is not None and trainer.global_step >= max_steps  # noqa: E731
     options = dict(progress=progress, callbacks=callbacks, checkpoints=checkpoints, log_every=log_every,
                    loggers=loggers, reached=reached)
     trainer.model.train()  # a model left in eval mode would train with frozen dropout and batch norms
-    engine.set_probe(_underflow_probe(trainer, underflow_every) if underflow_every else None)
+    trainer._engine.set_probe(_underflow_probe(trainer, underflow_every) if underflow_every else None)
     history: list[dict] = []
     try:
         while trainer.epoch < epochs and not reached():
@@ -112,7 +111,7 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
                 if hasattr(cb, "on_epoch_end"):
                     cb.on_epoch_end(trainer, record)
     finally:
-        engine.set_probe(None)
+        trainer._engine.set_probe(None)
     if history and max(r["data_fraction"] for r in history) > 0.3 and _dist.is_main():
         log.warning("fit: up to %.0f%% of an epoch waited for input, so the input pipeline bounds training: try "
                     "more DataLoader workers, lighter transforms, or uint8 images normalised on the device",
@@ -123,12 +122,10 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
 def _start_epoch(trainer, loader: Iterable) -> Any:
     """An iterator over this epoch's batches, past those already trained. An epoch begun before replays the shuffle
     it drew from its starting RNG state (the global RNGs, the loader's generators), then puts the RNG back."""
-    generators: list[torch.Generator] = []  # those of its own a loader shuffles with, each once
     batch_sampler = getattr(loader, "batch_sampler", None)
-    for owner in (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
-        g = getattr(owner, "generator", None)
-        if isinstance(g, torch.Generator) and all(g is not f for f in generators):
-            generators.append(g)
+    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    found = (getattr(owner, "generator", None) for owner in owners)  # those of its own a loader shuffles with
+    generators = list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())  # each once
     if trainer._rng_epoch_start is None:  # samplers draw their seeds from these when the iterator is made
         trainer.batch_in_epoch = 0
         trainer._rng_epoch_start = {**checkpoint.rng_state(), "loader": [g.get_state() for g in generators]}
