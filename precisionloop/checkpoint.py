@@ -70,7 +70,7 @@ def rng_state() -> dict:
     """Every RNG state a training run draws from, in a form ``weights_only`` loading accepts."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # only once CUDA is in use: reading it would start it
         state["cuda"] = torch.cuda.get_rng_state_all()
     if np is not None:
         s = np.random.get_state(legacy=False)

@@ -148,9 +148,8 @@ def _start_epoch(trainer, loader: Iterable) -> Any:
 
 
 class _Epoch:
-    """One epoch of ``fit``: the losses summed on the device (no sync per step), the time spent waiting for input.
-    An exception escaping before an accumulation's optimizer step drops its gradients and puts ``batch_in_epoch``
-    (and, when accumulating, the RNG state) back to its first batch: the next ``fit`` replays it."""
+    """One epoch of ``fit``. An exception before an accumulation's optimizer step drops its gradients and puts
+    ``batch_in_epoch`` (and, when accumulating, the RNG state) back to its first batch: the next ``fit`` replays it."""
 
     def __init__(self, trainer, loader: Iterable, options: dict):
         self.trainer, self.engine, self.options = trainer, trainer._engine, options
