@@ -4,11 +4,15 @@ nothing, in one layout whether the run had one process, DDP or FSDP2."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
 import os
+import pickle
 import random
+import re
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +60,24 @@ def read(path: str | os.PathLike) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError):
         raise
+    except pickle.UnpicklingError as e:  # torch's text holds terminal escape codes; the type refused is what matters
+        refused = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if "Weights only load failed" not in str(e) or refused is None:
+            raise ValueError(f"cannot read checkpoint {path}: truncated, corrupt or not a torch file") from None
+        raise ValueError(f"{path} is a torch file from another program, not a precisionloop checkpoint, and holds a "
+                         f"{refused.group(1)}, which loading with weights_only=True refuses. {_FOREIGN}") from None
     except Exception as e:  # a damaged file can fail anywhere in the unpickler
         raise ValueError(f"cannot read checkpoint {path}: truncated, corrupt or not a torch file ({e!s:.200})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path} is a torch file but not a precisionloop checkpoint (no format={FORMAT!r})")
+        raise ValueError(f"{path} is a torch file but not a precisionloop checkpoint (no format={FORMAT!r}). {_FOREIGN}")
     if state.get("version", 0) > VERSION:
         raise ValueError(f"{path} was written by a newer precisionloop ({state.get('written_by', 'unknown')}, "
                          f"checkpoint version {state['version']}); upgrade precisionloop to load it")
     return state
+
+
+_FOREIGN = ("If you trust it, load it yourself (torch.load(path, weights_only=False)) and load the model's and the "
+            "optimizer's states from it (model.load_state_dict, optimizer.load_state_dict) before building the Trainer")
 
 
 def rng_state() -> dict:
@@ -93,8 +107,8 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(s, index)
 
 
-def trainer_state(trainer) -> dict:
-    """Everything a Trainer needs to resume exactly, as a ``weights_only``-loadable dict."""
+def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
+    """Everything a Trainer needs to resume exactly, and ``extra``'s states, as a ``weights_only``-loadable dict."""
     engine = trainer._engine.state_dict()  # first: it refuses an open accumulation
     scheduler = trainer.scheduler
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
@@ -110,10 +124,11 @@ def trainer_state(trainer) -> dict:
         "counters": {**engine["counters"], "epoch": trainer.epoch, "batch_in_epoch": trainer.batch_in_epoch},
         "rng": rng, "rng_per_rank": _dist.gather_objects(rng) if trainer.distributed else None,
         "rng_epoch_start": trainer._rng_epoch_start,
+        "extra": {name: obj.state_dict() for name, obj in extra.items()},
     }
 
 
-def load_state(trainer, state: dict, source: str) -> None:
+def load_state(trainer, state: dict, source: str, extra: Mapping[str, Any]) -> None:
     """:meth:`Trainer.load_state_dict`'s body: every check first, then every change."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{source} is not a precisionloop Trainer state (Trainer.state_dict's dict, with "
@@ -133,12 +148,17 @@ def load_state(trainer, state: dict, source: str) -> None:
     elif scheduler is not None and state["scheduler_interval"] != trainer.scheduler_interval:
         problems.append(f"it was saved with scheduler_interval={state['scheduler_interval']!r}, this Trainer has "
                         f"{trainer.scheduler_interval!r}")
+    saved_extra = state.get("extra", {})  # older files hold none
+    missing = [name for name in extra if name not in saved_extra]
+    if missing:
+        problems.append(f"it holds no state for {', '.join(missing)} (only for {', '.join(saved_extra) or 'nothing else'})")
     if problems:
         raise ValueError(f"{source} does not fit this Trainer: {'; '.join(problems[:5])}; nothing was loaded")
     if state["precision"] != trainer.policy.name:
         scale = "; the loss scale does not carry over" if state["scaler"] or trainer.scaler is not None else ""
         warnings.warn(f"{source} was saved under precision {state['precision']!r} and is loaded under "
                       f"{trainer.policy.name!r}{scale}", UserWarning, stacklevel=_compat.stacklevel_outside_package())
+    _load_extra(extra, saved_extra, source)  # first: if one refuses its state, each is put back and nothing changed
     trainer._engine.load_state_dict(state)  # first: its pending outcomes would step the scheduler
     _load_full_state(trainer.model, optimizer, state["model"], state["optimizer"], trainer.distributed)
     if scheduler is not None:
@@ -147,6 +167,19 @@ def load_state(trainer, state: dict, source: str) -> None:
     trainer._rng_epoch_start = state["rng_epoch_start"]
     per_rank = state["rng_per_rank"]
     set_rng_state(per_rank[_dist.rank()] if per_rank and len(per_rank) == _dist.world_size() else state["rng"])
+
+
+def _load_extra(objects: Mapping[str, Any], saved: dict, source: str) -> None:
+    """Each object's saved state; if one refuses its own, every one put back as it was."""
+    before = []
+    try:
+        for name, obj in objects.items():
+            before.append((obj, copy.deepcopy(obj.state_dict())))
+            obj.load_state_dict(saved[name])
+    except Exception as e:
+        for obj, state in before:
+            obj.load_state_dict(state)
+        raise ValueError(f"{source}: {name} did not load its state ({e!s:.300}); nothing was loaded") from e
 
 
 def _model_problems(model: nn.Module, saved: dict) -> list[str]:

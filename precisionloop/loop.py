@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import checkpoint, diagnostics, distributed as _dist
+from .step import map_tensors, output_field
 
 __all__ = ["Checkpoints"]
 
@@ -45,16 +46,11 @@ class Checkpoints:
 
 def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format) -> Any:
     """Every tensor in a (nested) batch moved to ``device``, 4-D float tensors in ``memory_format``."""
-    if isinstance(batch, torch.Tensor):
-        fmt = memory_format if batch.dim() == 4 and batch.is_floating_point() else torch.preserve_format
-        return batch.to(device, non_blocking=True, memory_format=fmt)
-    if isinstance(batch, Mapping):
-        moved = {k: to_device(v, device, memory_format) for k, v in batch.items()}
-        return moved if type(batch) is dict else type(batch)(moved)
-    if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device, memory_format) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    return batch
+    def move(t: torch.Tensor) -> torch.Tensor:
+        fmt = memory_format if t.dim() == 4 and t.is_floating_point() else torch.preserve_format
+        return t.to(device, non_blocking=True, memory_format=fmt)
+
+    return map_tensors(move, batch)
 
 
 def batch_size(batch: Any) -> int:
@@ -173,7 +169,10 @@ class _Epoch:
                    desc=f"epoch {trainer.epoch + 1}/{epochs} {trainer.policy.name}", dynamic_ncols=True)
         try:
             with trainer.policy.backend_flags(trainer.device.type):
-                complete = self._train(bar)
+                try:
+                    complete = self._train(bar)
+                finally:  # a generator loader's own cleanup runs now, under the flags it ran under
+                    getattr(self.iterator, "close", lambda: None)()
         except BaseException:
             if self.first is not None:
                 self.engine.discard_accumulation()
@@ -313,8 +312,9 @@ def validate(trainer, loader: Iterable, metrics: Mapping) -> dict[str, float]:
                 n = batch_size(batch)
                 loss_sum += loss.float() * n
                 count += n
+                predictions = outputs if isinstance(outputs, torch.Tensor) else output_field(outputs, "logits")
                 for metric in metrics.values():
-                    metric.update(outputs.float() if outputs.is_floating_point() else outputs, targets)
+                    metric.update(predictions.float() if predictions.is_floating_point() else predictions, targets)
         if trainer.distributed:
             totals = _dist.all_reduce_sum_(torch.stack([loss_sum, torch.tensor(float(count), device=device)]))
             loss_sum, count = totals[0], int(totals[1])

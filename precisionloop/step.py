@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -34,12 +35,15 @@ class StepResult:
         nonfinite: the names of the parameters whose gradients held an inf or NaN, checked per parameter from the
             second skipped step in a row on, else ``()``. On CUDA "in a row" counts the skips the host has seen
             when the step starts: at once after ``result.skipped`` is read, else a step later.
+        outputs: the model's outputs for this micro-batch, detached (copied when compiled), with
+            ``step(batch, outputs=True)``; else ``None``.
     """
 
-    __slots__ = ("_loss", "_scale", "_grad_norm", "_outcome")
+    __slots__ = ("_loss", "_scale", "_grad_norm", "_outcome", "outputs")
 
     def __init__(self, loss: torch.Tensor, scale=None, grad_norm=None, outcome: _Outcome | None = None):
         self._loss, self._scale, self._grad_norm, self._outcome = loss, scale, grad_norm, outcome
+        self.outputs = None
 
     loss = property(lambda self: float(self._loss))
     skipped = property(lambda self: self._outcome is not None and self._outcome.skipped())
@@ -95,6 +99,24 @@ OWN_LOSS = """If the model computes its own loss, give it the targets in forward
 
         def compute_loss(self, outputs, targets):
             return outputs[1]  # (logits, loss); or outputs.loss for an output object"""
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """``fn`` applied to every tensor in a nested batch or output: mappings, lists, tuples and named tuples."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        mapped = {k: map_tensors(fn, v) for k, v in tree.items()}
+        return mapped if type(tree) is dict else type(tree)(mapped)
+    if isinstance(tree, (list, tuple)):
+        mapped = [map_tensors(fn, v) for v in tree]
+        return type(tree)(*mapped) if hasattr(tree, "_fields") else type(tree)(mapped)
+    return tree
+
+
+def output_field(outputs: Any, name: str) -> Any:
+    """``outputs.name`` or ``outputs[name]`` (a Hugging Face ``ModelOutput`` has both), else None."""
+    return outputs.get(name) if isinstance(outputs, Mapping) else getattr(outputs, name, None)
 
 
 def _check_loss(loss: Any) -> None:
@@ -246,7 +268,7 @@ class StepEngine:
         self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
         self._zero_nan: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def step(self, batch: Any) -> StepResult:
+    def step(self, batch: Any, keep_outputs: bool = False) -> StepResult:
         """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
         syncs = self.micro + 1 >= self.grad_accum_steps or self.sync_next  # else no gradient all-reduce
         compiled, nothing = self.compile_mode is not None, contextlib.nullcontext()
@@ -257,8 +279,11 @@ class StepEngine:
             with torch.enable_grad(), _compat.compiled_backward_like_eager() if compiled else nothing, \
                     _dist.no_sync(self.model) if self.distributed and not syncs else nothing:
                 with self.policy.autocast(self.device_type):
-                    loss = self.compute_loss(*self.forward_batch(batch))
+                    outputs, targets = self.forward_batch(batch)
+                    loss = self.compute_loss(outputs, targets)
                 _check_loss(loss)
+                if keep_outputs:  # copied when compiled: a CUDA-graph output would be overwritten by the next replay
+                    outputs = map_tensors(lambda t: t.detach().clone() if compiled else t.detach(), outputs)
                 self.loss_scale.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
                 self.unsynced = bool(self.distributed) and not syncs
                 self.micro += 1
@@ -267,9 +292,12 @@ class StepEngine:
                     # A CUDA-graph output would be overwritten by the next replay; the scale is updated in place.
                     self._losses.append(loss if self.compile_mode is None else loss.clone())
                     scale = self.loss_scale.value()
-                    return StepResult(self._losses[-1], scale=None if scale is None else scale.clone())
-                self._losses.append(loss)
-                return self.optimizer_step()
+                    result = StepResult(self._losses[-1], scale=None if scale is None else scale.clone())
+                else:
+                    self._losses.append(loss)
+                    result = self.optimizer_step()
+                result.outputs = outputs if keep_outputs else None
+                return result
         except RefusedLoss:
             raise  # refused before its backward: nothing changed
         except _compat.compile_error_types() as e:

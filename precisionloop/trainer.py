@@ -16,7 +16,7 @@ from .loop import Checkpoints
 from .memory import MemoryBreakdown, memory_breakdown
 from .policy import PrecisionPolicy, resolve_device, warn_overridden_flags
 from .precisions import get_policy
-from .step import OWN_LOSS, RefusedLoss, StepEngine, StepResult, TrainStats, fuse_default_optimizer
+from .step import OWN_LOSS, RefusedLoss, StepEngine, StepResult, TrainStats, fuse_default_optimizer, output_field
 
 __all__ = ["Trainer", "autotune"]
 
@@ -121,35 +121,61 @@ class Trainer:
         return f"Trainer(model={type(self.model).__name__}, device={self.device}, policy={self.policy!r})"
 
     def forward_batch(self, batch: Any) -> tuple[Any, Any]:
-        """Run the model on one batch and return ``(outputs, targets)``; override it for other batch shapes."""
-        inputs, targets = batch
-        return self.model(inputs), targets
+        """Run the model on one batch and return ``(outputs, targets)``: ``model(inputs)`` for ``(inputs, targets)``,
+        ``model(**batch)`` and its ``"labels"`` for a mapping (a Hugging Face model's batch); override it for others."""
+        try:
+            if isinstance(batch, Mapping):
+                return self.model(**batch), batch.get("labels")
+            inputs, targets = batch
+            return self.model(inputs), targets
+        except RuntimeError as e:  # torch names the dtypes, not the cause: numpy's default dtype
+            tensors = batch.values() if isinstance(batch, Mapping) else [inputs]
+            if "double" in str(e).lower() and any(getattr(t, "dtype", None) == torch.float64 for t in tensors):
+                raise TypeError("the batch holds float64 tensors (numpy's default dtype), and the model's weights are "
+                                "fp32: convert the inputs with .float(), e.g. torch.from_numpy(x).float()") from e
+            raise
 
     def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        """The loss from ``forward_batch``'s outputs and targets; override it for another loss, or the model's own."""
-        if not isinstance(outputs, torch.Tensor) and self.loss_fn is nn.functional.cross_entropy:
-            raise RefusedLoss(f"the model returned a {type(outputs).__name__}, and the default loss takes a tensor of "
-                              f"logits; nothing was changed. {OWN_LOSS}")
-        return self.loss_fn(outputs, targets)
+        """The loss from ``forward_batch``'s outputs and targets: ``loss_fn(outputs, targets)``; for an output object
+        (a Hugging Face model's), ``loss_fn`` of its ``logits`` if a ``loss_fn`` was given, else its ``loss``.
+        Override it for another loss."""
+        if isinstance(outputs, torch.Tensor):
+            return self.loss_fn(outputs, targets)
+        logits = output_field(outputs, "logits")
+        if self.loss_fn is not nn.functional.cross_entropy:  # a loss_fn was given
+            return self.loss_fn(outputs if logits is None else logits, targets)
+        loss = output_field(outputs, "loss")
+        if loss is not None:
+            return loss
+        if logits is not None and targets is None:
+            raise RefusedLoss(f"the model returned a {type(outputs).__name__} with logits but no loss (a Hugging Face "
+                              "model computes it only when the batch has 'labels'): add the labels to the batch, or "
+                              "pass a loss_fn(logits, labels); nothing was changed")
+        raise RefusedLoss(f"the model returned a {type(outputs).__name__}, and the default loss takes a tensor of "
+                          f"logits; nothing was changed. {OWN_LOSS}")
 
-    def step(self, batch: Any) -> StepResult:
+    def step(self, batch: Any, *, outputs: bool = False) -> StepResult:
         """Train on one micro-batch; every ``grad_accum_steps`` calls take one optimizer step.
 
         The batch is moved to the device; grad is enabled; train/eval mode and the backend flags are left as they
         were. With a fused optimizer nothing waits for the step: its result is read when you read it.
+
+        Args:
+            batch: ``(inputs, targets)``, a mapping of keyword arguments, or what ``forward_batch`` takes.
+            outputs: keep the model's outputs in ``result.outputs`` (for training metrics).
 
         Raises:
             ValueError: the loss is not a scalar or does not require grad (before backward; nothing changed).
             TypeError: the batch is not ``(inputs, targets)`` and ``forward_batch`` is not overridden (nothing
                 changed).
         """
-        if self._takes_pairs and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        if self._takes_pairs and not (isinstance(batch, Mapping) or isinstance(batch, (tuple, list)) and len(batch) == 2):
             hint = (" (fit and evaluate take batches: a DataLoader, or a list of (inputs, targets) pairs, not "
                     "[inputs, targets])" if isinstance(batch, torch.Tensor) else "")
-            raise TypeError(f"the default forward_batch expects a batch of (inputs, targets), got {type(batch).__name__}"
-                            f"{hint}; override Trainer.forward_batch for other batch shapes; nothing was changed")
+            raise TypeError(f"the default forward_batch expects a batch of (inputs, targets) or a mapping of the "
+                            f"model's keyword arguments, got {type(batch).__name__}{hint}; override Trainer.forward_batch for other batch shapes; nothing was changed")
         with self.policy.backend_flags(self.device.type):
-            return self._engine.step(self.to_device(batch))
+            return self._engine.step(self.to_device(batch), outputs)
 
     def flush(self) -> StepResult | None:
         """Take the optimizer step for an open accumulation, its gradients averaged; None if none is open. The result's
@@ -237,42 +263,52 @@ class Trainer:
         trainer.autotune_result = result
         return trainer
 
-    def state_dict(self) -> dict:
+    def state_dict(self, extra: Mapping[str, Any] | None = None) -> dict:
         """Everything needed to resume exactly: model, optimizer, scheduler, scaler, counters and RNG states.
+
+        Args:
+            extra: your own objects with a ``state_dict`` (a model EMA, your loop's counters), saved by name.
 
         Raises:
             RuntimeError: an accumulation is open (its gradients cannot be saved).
         """
-        return checkpoint.trainer_state(self)
+        return checkpoint.trainer_state(self, extra or {})
 
-    def load_state_dict(self, state: dict, *, source: str = "the checkpoint") -> None:
-        """Restore what :meth:`state_dict` returned; all or nothing. An open accumulation is discarded.
+    def load_state_dict(self, state: dict, *, source: str = "the checkpoint",
+                        extra: Mapping[str, Any] | None = None) -> None:
+        """Restore what :meth:`state_dict` returned, ``extra``'s objects too; all or nothing. An open accumulation
+        is discarded.
 
         Raises:
-            ValueError: the state does not fit this model, optimizer or scheduler; nothing was changed.
+            ValueError: the state does not fit this model, optimizer or scheduler, holds none for an ``extra``
+                name, or an ``extra`` object refused its own; nothing was changed.
         """
-        checkpoint.load_state(self, state, source)
+        checkpoint.load_state(self, state, source, extra or {})
 
-    def save(self, path: str | os.PathLike) -> Path:
+    def save(self, path: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> Path:
         """Write a checkpoint atomically: ``path`` holds the old file or the whole new one, never half.
+
+        Args:
+            extra: your own objects with a ``state_dict``, saved by name and restored by :meth:`load`.
 
         Raises:
             RuntimeError: an accumulation is open.
         """
-        state, path = self.state_dict(), Path(path)  # every rank takes part: the state is gathered
+        state, path = self.state_dict(extra), Path(path)  # every rank takes part: the state is gathered
         if self.is_main:
             checkpoint.atomic_save(state, path)
         _dist.barrier()  # no rank reads the file before rank 0 has written it
         return path
 
-    def load(self, path: str | os.PathLike) -> None:
-        """Resume from a checkpoint written by :meth:`save`; the next ``fit`` goes on where it stopped.
+    def load(self, path: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> None:
+        """Resume from a checkpoint written by :meth:`save`, ``extra``'s objects too; the next ``fit`` goes on where
+        it stopped.
 
         Raises:
             FileNotFoundError: no file at ``path``.
             ValueError: the file is damaged, not a precisionloop checkpoint, or does not fit (nothing changed).
         """
-        self.load_state_dict(checkpoint.read(path), source=f"checkpoint {path}")
+        self.load_state_dict(checkpoint.read(path), source=f"checkpoint {path}", extra=extra)
 
 
 def _check_arguments(model: Any, optimizer: Any, loss_fn: Any, scheduler: Any, interval: Any, accum: Any,

@@ -171,6 +171,64 @@ def test_bad_checkpoint_files_get_clear_errors(tmp_path):
         trainer.load(tmp_path / "missing.pt")
 
 
+def test_a_scripts_own_checkpoint_is_named_for_what_it_is_with_the_way_forward(tmp_path):
+    """A torch file holding a type weights-only loading refuses (an argparse.Namespace, as torchvision's reference
+    scripts save) is not called corrupt; the message is whole and plain."""
+    import argparse
+
+    trainer = make_trainer("bf16")
+    path = tmp_path / "model_0.pth"
+    torch.save({"model": trainer.model.state_dict(), "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(ValueError) as info:
+        trainer.load(path)
+    message = str(info.value)
+    assert "torch file from another program" in message and "argparse.Namespace" in message
+    assert "weights_only=False" in message and "before building the Trainer" in message
+    assert "\x1b" not in message and "corrupt" not in message
+
+
+class Counters:
+    """A hand loop's own state, with a state_dict."""
+
+    def __init__(self, epoch=0):
+        self.epoch = epoch
+
+    def state_dict(self):
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+
+
+def test_a_hand_loops_own_state_round_trips_with_the_trainers(tmp_path):
+    model, trainer = mk("bf16")
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    trainer.step(B)
+    ema.update_parameters(model)
+    trainer.step(batch(2))
+    ema.update_parameters(model)
+    trainer.save(tmp_path / "c.pt", extra={"ema": ema, "counters": Counters(epoch=3)})
+    fresh_model, fresh = mk("bf16")
+    fresh_ema, counters = torch.optim.swa_utils.AveragedModel(fresh_model), Counters()
+    fresh.load(tmp_path / "c.pt", extra={"ema": fresh_ema, "counters": counters})
+    assert counters.epoch == 3 and same_models(fresh_ema, ema) and same_models(fresh_model, model)
+    assert torch.equal(fresh_ema.n_averaged, ema.n_averaged)
+
+
+@pytest.mark.parametrize("case", ["a name not saved", "a state refused"])
+def test_a_load_whose_own_state_does_not_fit_changes_nothing(tmp_path, case):
+    _, trainer = mk("bf16")
+    trainer.step(B)
+    trainer.save(tmp_path / "c.pt", extra={"counters": Counters(epoch=3), "ema": nn.Linear(2, 2)})
+    _, fresh = mk("bf16")
+    counters, before = Counters(), params_of(fresh.model)
+    extra = {"counters": counters, "ema": nn.Linear(3, 3)} if case == "a state refused" else {"other": Counters()}
+    with pytest.raises(ValueError, match="ema did not load its state|no state for other.*nothing was loaded"):
+        fresh.load(tmp_path / "c.pt", extra=extra)
+    assert counters.epoch == 0 and all(torch.equal(p, q) for p, q in zip(fresh.model.parameters(), before))
+    assert fresh.global_step == 0
+
+
 def test_loading_under_another_precision_warns_with_both_names(tmp_path):
     trainer = make_trainer("fp16")
     trainer.fit(DataLoader(dataset(), batch_size=4), epochs=1, max_steps=2, progress=False)
