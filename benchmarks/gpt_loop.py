@@ -89,7 +89,7 @@ def _hand(args, batch) -> Run:
     def step() -> float:
         if args.mode == "reduce-overhead":  # the last step's graph outputs are no longer read
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(args.device.type, dtype=torch.bfloat16):
+        with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss = flat_cross_entropy(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -97,15 +97,15 @@ def _hand(args, batch) -> Run:
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    # The Trainer's TF32 and cudnn flags, so the two loops differ only in the loop.
-    flags = precisionloop.get_policy("bf16", args.device).backend_flags
+    # The Trainer's TF32 and cudnn flags, so the two loops differ only in the loop (fp32 sets none: the script's own).
+    flags = precisionloop.get_policy(args.precision, args.device).backend_flags
     return Run(step, context=functools.partial(flags, args.device.type))
 
 
 def _trainer(package, args, batch) -> Run:
     """``package.Trainer``'s step; only arguments both this and an older package take, no subclass."""
     model, optimizer = _model_and_optimizer(args)
-    trainer = package.Trainer(model, optimizer, "bf16", device=args.device, max_grad_norm=1.0, distributed=None,
+    trainer = package.Trainer(model, optimizer, args.precision, device=args.device, max_grad_norm=1.0, distributed=None,
                               compile=False if args.mode == "none" else args.mode, loss_fn=flat_cross_entropy)
     return Run(lambda: trainer.step(batch).loss)  # .loss reads the loss on the host
 
@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.add_argument(flag, type=int, default=default, help=f"default {default}")
     p.add_argument("--mode", default="default", choices=("default", "reduce-overhead", "none"),
                    help="torch.compile's mode for both loops (nanoGPT's torch.compile(model) is default); none: eager")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="fp32: the script turns TF32 on at its top, as nanoGPT does, and trains without autocast")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
@@ -136,6 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.precision == "fp32":  # what the script does at its top; the Trainer's "fp32" leaves it so
+        torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = "tf32"
     before = load_before(args.before) if args.before else None
     tokens = torch.randint(VOCAB, (args.batch, args.block + 1), generator=torch.Generator().manual_seed(0))
     batch = (tokens[:, :-1].contiguous().to(args.device), tokens[:, 1:].contiguous().to(args.device))  # next tokens
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         systems["trainer-before"] = lambda: _trainer(before, args, batch)
     method = choose_method(args.device, args.mode != "none")[0]
     name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
-    print(f"GPT {args.layers} layers x {args.width} wide, {args.heads} heads, batch {args.batch} x {args.block}, bf16,"
+    print(f"GPT {args.layers} layers x {args.width} wide, {args.heads} heads, batch {args.batch} x {args.block}, {args.precision},"
           f" compile {args.mode}, on {name}: steps timed {method}", flush=True)
     timings = interleaved(systems, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=args.device,
                           pipelined=method == "pipelined", blocks=args.iters if method == "alternating" else 1)

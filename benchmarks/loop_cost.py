@@ -62,18 +62,18 @@ def _hand(config: Config, args) -> Run:
     optimizer = OPTIMIZERS[config.optimizer](model.parameters())
     inputs, targets = bench.random_batch(config.batch_size, args.image_size, args.device)
     inputs = inputs.contiguous(memory_format=torch.channels_last)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[config.precision]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[config.precision]
 
     def step() -> None:
         if config.compile:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(args.device.type, dtype=dtype):
+        with torch.autocast(args.device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss = nn.functional.cross_entropy(model(inputs), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Run(step, context=precisionloop.get_policy(config.precision).backend_flags)
+    return Run(step, context=precisionloop.get_policy(config.precision).backend_flags)  # fp32: torch's defaults
 
 
 def _trainer(package, config: Config, args, fit: bool) -> Run:
@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "RNG snapshot, the record; a short epoch spreads it over few steps)")
     p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
+                   help="train every configuration in this precision (fp32: the hand loop at torch's default flags)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
     p.add_argument("--no-fit", action="store_true", help="time the step systems only")
     p.add_argument("--profile", action="store_true",
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--configs takes indices 0-{len(DEFAULT_CONFIGS) - 1} into: "
                 + "; ".join(f"{i} {c.label}" for i, c in enumerate(DEFAULT_CONFIGS)))
     configs = DEFAULT_CONFIGS if args.configs is None else [DEFAULT_CONFIGS[int(i)] for i in indices]
+    configs = [dataclasses.replace(c, precision=args.precision or c.precision) for c in configs]
     before = load_before(args.before) if args.before else None
     name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     report = {"torch": torch.__version__, "device": name, "configs": []}

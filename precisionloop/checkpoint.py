@@ -7,7 +7,6 @@ import contextlib
 import copy
 import importlib.metadata
 import os
-import pickle
 import random
 import re
 import uuid
@@ -60,24 +59,24 @@ def read(path: str | os.PathLike) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError):
         raise
-    except pickle.UnpicklingError as e:  # torch's text holds terminal escape codes; the type refused is what matters
-        refused = re.search(r"GLOBAL ([\w.]+)", str(e))
-        if "Weights only load failed" not in str(e) or refused is None:
-            raise ValueError(f"cannot read checkpoint {path}: truncated, corrupt or not a torch file") from None
-        raise ValueError(f"{path} is a torch file from another program, not a precisionloop checkpoint, and holds a "
-                         f"{refused.group(1)}, which loading with weights_only=True refuses. {_FOREIGN}") from None
     except Exception as e:  # a damaged file can fail anywhere in the unpickler
+        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        if refused:  # torch's text holds terminal escape codes; the type it refused is what matters
+            raise ValueError(f"{path} is a torch file from another program, not a precisionloop checkpoint: it "
+                             f"holds a {refused.group(1)}, which weights_only=True loading refuses. {_FOREIGN}") from None
         raise ValueError(f"cannot read checkpoint {path}: truncated, corrupt or not a torch file ({e!s:.200})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path} is a torch file but not a precisionloop checkpoint (no format={FORMAT!r}). {_FOREIGN}")
+        raise ValueError(f"{path} is a torch file but not a precisionloop checkpoint (no format={FORMAT!r}). "
+                         f"{_FOREIGN}")
     if state.get("version", 0) > VERSION:
         raise ValueError(f"{path} was written by a newer precisionloop ({state.get('written_by', 'unknown')}, "
                          f"checkpoint version {state['version']}); upgrade precisionloop to load it")
     return state
 
 
-_FOREIGN = ("If you trust it, load it yourself (torch.load(path, weights_only=False)) and load the model's and the "
-            "optimizer's states from it (model.load_state_dict, optimizer.load_state_dict) before building the Trainer")
+_FOREIGN = ("If you trust it, load it yourself (torch.load(path, weights_only=False)) and load the model's and "
+            "the optimizer's states from it (model.load_state_dict, optimizer.load_state_dict) before building the "
+            "Trainer")
 
 
 def rng_state() -> dict:

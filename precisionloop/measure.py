@@ -11,7 +11,7 @@ from typing import Callable, ContextManager, Iterable, Mapping
 
 import torch
 
-__all__ = ["NOISY_SPREAD", "Run", "Measurement", "warm_up", "sync", "time_steps", "reset_memory", "peak_mb", "as_run",
+__all__ = ["NOISY_SPREAD", "Run", "Measurement", "warm_up", "time_steps", "reset_memory", "peak_mb", "as_run",
            "error_text", "run_alone", "interleaved", "format_time", "format_memory", "noisy_legend"]
 
 NOISY_SPREAD = 0.10  # a measurement whose (max - min) / median over rounds exceeds this is flagged as noisy
@@ -61,25 +61,19 @@ def warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> No
             reset_memory(device)
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the work queued on a CUDA device; nothing elsewhere."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(step: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
                timer: Callable[[], float] = time.perf_counter) -> list[float]:
     """``warmup`` untimed steps, then ``iters`` step times in ms. On CUDA, events around each step with nothing
     waiting between steps, each queued while the one before runs (a training loop's steady state); else ``timer``."""
     warm_up(step, warmup, device)
     if device.type == "cuda":
-        sync(device)
+        torch.cuda.synchronize(device)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
         for start, end in events:
             start.record()
             step()
             end.record()
-        sync(device)
+        torch.cuda.synchronize(device)
         return [start.elapsed_time(end) for start, end in events]
     times = []
     for _ in range(iters):
@@ -93,7 +87,7 @@ def reset_memory(device: torch.device) -> None:
     """Free what can be freed and, on CUDA, restart the peak-memory counters."""
     gc.collect()
     if device.type == "cuda":
-        sync(device)
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 

@@ -27,15 +27,6 @@ class PrecisionPolicy:
         channels_last: 2-D convolution models in channels_last: ``None`` on CUDA only, ``True`` always, ``False`` never.
         keep_fp32: modules run in fp32 (autocast off, fp32 inputs): classes or ``named_modules()`` fnmatch patterns.
         note: why this policy was chosen (``get_policy("auto")`` fills it in).
-
-    Example:
-        >>> import torch
-        >>> from precisionloop import BF16Policy
-        >>> policy = BF16Policy()
-        >>> with policy.backend_flags(), policy.autocast("cpu"):
-        ...     y = torch.nn.Linear(4, 2)(torch.randn(3, 4))
-        >>> y.dtype
-        torch.bfloat16
     """
 
     name: ClassVar[str] = "custom"

@@ -37,8 +37,8 @@ _ALIASES = {
 def default_precisions(device_type: str) -> list[str]:
     """The precisions autotune and the benchmark compare by default, in order, the first strict fp32 (their reference);
     tf32 and fp16 only on CUDA."""
-    # Not bf16-pure (bf16 weights, a rounding optimizer) nor fp8 (torchao, compiled): added where asked for. Off CUDA
-    # the TF32 switches change nothing, so fp32 is strict, and fp16 autocast on the CPU is about 20x slower than fp32.
+    # Not bf16-pure nor fp8: added where asked for. Off CUDA the TF32 switches change nothing, so fp32 is strict, and
+    # fp16 autocast on the CPU is about 20x slower than fp32.
     return ["fp32-strict", "tf32", "bf16", "fp16"] if device_type == "cuda" else ["fp32", "bf16"]
 
 
@@ -47,18 +47,14 @@ def get_policy(spec: str | int | torch.dtype | PrecisionPolicy,
     """Turn a precision spec into a policy.
 
     Args:
-        spec: ``"fp32"`` (TF32 as the process has it), ``"fp32-strict"`` (strict IEEE), ``"tf32"``, ``"bf16"``, ``"bf16-pure"`` (bf16 weights, no fp32 master
-            copy), ``"fp16"``, ``"fp8"``, ``"auto"``, an alias (``"half"``, Lightning's ``"bf16-mixed"``, ...;
-            case-insensitive), a torch dtype, or a policy instance, which is returned unchanged.
+        spec: ``"fp32"`` (TF32 as the process has it), ``"fp32-strict"`` (strict IEEE), ``"tf32"``, ``"bf16"``,
+            ``"bf16-pure"`` (bf16 weights, no fp32 master copy), ``"fp16"``, ``"fp8"``, ``"auto"``, an alias
+            (``"half"``, Lightning's ``"bf16-mixed"``, ...; case-insensitive), a torch dtype, or a policy instance,
+            which is returned unchanged.
         device: the device ``"auto"`` chooses for; the current CUDA device or the CPU when ``None``.
 
     Raises:
         ValueError: ``spec`` names no known precision.
-
-    Example:
-        >>> from precisionloop import get_policy
-        >>> get_policy("BFloat16").name
-        'bf16'
     """
     if isinstance(spec, PrecisionPolicy):
         return spec

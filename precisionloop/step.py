@@ -48,17 +48,14 @@ class StepResult:
     loss = property(lambda self: float(self._loss))
     skipped = property(lambda self: self._outcome is not None and self._outcome.skipped())
     stepped = property(lambda self: self._outcome is not None and not self._outcome.skipped())
-    scale = property(lambda self: _host(self._scale) if self._outcome is None else self._outcome.scale())
-    grad_norm = property(lambda self: _host(self._grad_norm))
+    scale = property(lambda self: (None if self._scale is None else self._scale.item()) if self._outcome is None
+                     else self._outcome.scale())
+    grad_norm = property(lambda self: None if self._grad_norm is None else self._grad_norm.item())
     nonfinite = property(lambda self: () if self._outcome is None else self._outcome.nonfinite())
 
     def __repr__(self) -> str:
         return (f"StepResult(loss={self.loss:.6g}, stepped={self.stepped}, skipped={self.skipped}, "
                 f"scale={self.scale}, grad_norm={self.grad_norm})")
-
-
-def _host(value):
-    return value.item() if isinstance(value, torch.Tensor) else value
 
 
 @dataclasses.dataclass

@@ -136,9 +136,8 @@ class Trainer:
             raise
 
     def compute_loss(self, outputs: Any, targets: Any) -> torch.Tensor:
-        """The loss from ``forward_batch``'s outputs and targets: ``loss_fn(outputs, targets)``; for an output object
-        (a Hugging Face model's), ``loss_fn`` of its ``logits`` if a ``loss_fn`` was given, else its ``loss``.
-        Override it for another loss."""
+        """``loss_fn(outputs, targets)``; for an output object (a Hugging Face model's), ``loss_fn`` of its ``logits``
+        if a ``loss_fn`` was given, else its ``loss``. Override it for another loss."""
         if isinstance(outputs, torch.Tensor):
             return self.loss_fn(outputs, targets)
         logits = output_field(outputs, "logits")
@@ -169,11 +168,13 @@ class Trainer:
             TypeError: the batch is not ``(inputs, targets)`` and ``forward_batch`` is not overridden (nothing
                 changed).
         """
-        if self._takes_pairs and not (isinstance(batch, Mapping) or isinstance(batch, (tuple, list)) and len(batch) == 2):
+        pair = isinstance(batch, (tuple, list)) and len(batch) == 2
+        if self._takes_pairs and not (pair or isinstance(batch, Mapping)):
             hint = (" (fit and evaluate take batches: a DataLoader, or a list of (inputs, targets) pairs, not "
                     "[inputs, targets])" if isinstance(batch, torch.Tensor) else "")
             raise TypeError(f"the default forward_batch expects a batch of (inputs, targets) or a mapping of the "
-                            f"model's keyword arguments, got {type(batch).__name__}{hint}; override Trainer.forward_batch for other batch shapes; nothing was changed")
+                            f"model's keyword arguments, got {type(batch).__name__}{hint}; override "
+                            "Trainer.forward_batch for other batch shapes; nothing was changed")
         with self.policy.backend_flags(self.device.type):
             return self._engine.step(self.to_device(batch), outputs)
 
@@ -276,8 +277,7 @@ class Trainer:
 
     def load_state_dict(self, state: dict, *, source: str = "the checkpoint",
                         extra: Mapping[str, Any] | None = None) -> None:
-        """Restore what :meth:`state_dict` returned, ``extra``'s objects too; all or nothing. An open accumulation
-        is discarded.
+        """Restore :meth:`state_dict`'s dict and ``extra``'s objects, all or nothing; an open accumulation is dropped.
 
         Raises:
             ValueError: the state does not fit this model, optimizer or scheduler, holds none for an ``extra``
@@ -301,8 +301,7 @@ class Trainer:
         return path
 
     def load(self, path: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> None:
-        """Resume from a checkpoint written by :meth:`save`, ``extra``'s objects too; the next ``fit`` goes on where
-        it stopped.
+        """Resume from :meth:`save`'s file and ``extra``'s objects; the next ``fit`` goes on where it stopped.
 
         Raises:
             FileNotFoundError: no file at ``path``.

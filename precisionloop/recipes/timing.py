@@ -22,12 +22,17 @@ def time_block(step: Callable[[], object], *, iters: int, warmup: int, device: t
                timer: Callable[[], float] = time.perf_counter) -> float:
     """``warmup`` untimed steps, then ``iters`` back to back with one sync at the end: the block's ms over ``iters``."""
     measure.warm_up(step, warmup, device)
-    measure.sync(device)
+    _sync(device)
     start = timer()
     for _ in range(iters):
         step()
-    measure.sync(device)
+    _sync(device)
     return (timer() - start) * 1e3 / iters
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _pipelined_round(factories: Mapping[str, Callable], **timing) -> dict:
