@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "RNG snapshot, the record; a short epoch spreads it over few steps)")
     p.add_argument("--fit-epochs", type=int, default=3, help="timed fit epochs per round")
     p.add_argument("--configs", default=None, help="comma-separated labels' indices into the default list (0-based)")
-    p.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp32"),
+    p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
                    help="train every configuration in this precision (fp32: the hand loop at torch's default flags)")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
     p.add_argument("--no-fit", action="store_true", help="time the step systems only")

@@ -3,6 +3,7 @@ nothing, in one layout whether the run had one process, DDP or FSDP2."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import importlib.metadata
@@ -63,20 +64,17 @@ def read(path: str | os.PathLike) -> dict:
         refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         if refused:  # torch's text holds terminal escape codes; the type it refused is what matters
             raise ValueError(f"{path} is a torch file from another program, not a precisionloop checkpoint: it "
-                             f"holds a {refused.group(1)}, which weights_only=True loading refuses. {_FOREIGN}") from None
+                             f"holds the type {refused.group(1)}, which weights_only=True loading refuses. If you "
+                             "trust it, load it yourself (torch.load(path, weights_only=False)) and load the model's "
+                             "and the optimizer's states from it before building the Trainer") from None
         raise ValueError(f"cannot read checkpoint {path}: truncated, corrupt or not a torch file ({e!s:.200})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path} is a torch file but not a precisionloop checkpoint (no format={FORMAT!r}). "
-                         f"{_FOREIGN}")
+        raise ValueError(f"{path} is a torch file but not a precisionloop checkpoint (no format={FORMAT!r}): load "
+                         "its states into the model and the optimizer before building the Trainer")
     if state.get("version", 0) > VERSION:
         raise ValueError(f"{path} was written by a newer precisionloop ({state.get('written_by', 'unknown')}, "
                          f"checkpoint version {state['version']}); upgrade precisionloop to load it")
     return state
-
-
-_FOREIGN = ("If you trust it, load it yourself (torch.load(path, weights_only=False)) and load the model's and "
-            "the optimizer's states from it (model.load_state_dict, optimizer.load_state_dict) before building the "
-            "Trainer")
 
 
 def rng_state() -> dict:
@@ -108,6 +106,12 @@ def set_rng_state(state: dict) -> None:
 
 def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
     """Everything a Trainer needs to resume exactly, and ``extra``'s states, as a ``weights_only``-loadable dict."""
+    extra_states = {name: obj.state_dict() for name, obj in extra.items()}
+    for name, state in extra_states.items():  # found now, not when the run is to resume
+        refused = _refused_type(state)
+        if refused is not None:
+            raise TypeError(f"extra {name!r}'s state_dict holds a {refused}, which loading with weights_only=True "
+                            "refuses: keep numbers, strings, tensors, lists and dicts there (a numpy number: float())")
     engine = trainer._engine.state_dict()  # first: it refuses an open accumulation
     scheduler = trainer.scheduler
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
@@ -123,7 +127,7 @@ def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
         "counters": {**engine["counters"], "epoch": trainer.epoch, "batch_in_epoch": trainer.batch_in_epoch},
         "rng": rng, "rng_per_rank": _dist.gather_objects(rng) if trainer.distributed else None,
         "rng_epoch_start": trainer._rng_epoch_start,
-        "extra": {name: obj.state_dict() for name, obj in extra.items()},
+        "extra": extra_states,
     }
 
 
@@ -166,6 +170,17 @@ def load_state(trainer, state: dict, source: str, extra: Mapping[str, Any]) -> N
     trainer._rng_epoch_start = state["rng_epoch_start"]
     per_rank = state["rng_per_rank"]
     set_rng_state(per_rank[_dist.rank()] if per_rank and len(per_rank) == _dist.world_size() else state["rng"])
+
+
+def _refused_type(value: Any) -> str | None:
+    """The name of the first type in ``value`` that weights-only loading refuses, or None."""
+    if isinstance(value, torch.Tensor) or type(value) in (int, float, bool, str, bytes, type(None), torch.Size):
+        return None
+    if type(value) in (dict, collections.OrderedDict):
+        return next(filter(None, map(_refused_type, [*value.keys(), *value.values()])), None)
+    if type(value) in (list, tuple):
+        return next(filter(None, map(_refused_type, value)), None)
+    return type(value).__name__
 
 
 def _load_extra(objects: Mapping[str, Any], saved: dict, source: str) -> None:

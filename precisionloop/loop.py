@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import time
+import types
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,7 @@ class _Epoch:
         self.skipped_before = trainer.stats.skipped  # counts the steps before this epoch first
         self.steps_before = trainer.global_step
         self.iterator = _start_epoch(trainer, loader)
+        self.made = isinstance(self.iterator, types.GeneratorType) and self.iterator is not loader  # fit's to close
         try:
             self.total = len(loader)
         except TypeError:  # a generator, an IterableDataset's loader
@@ -172,7 +174,8 @@ class _Epoch:
                 try:
                     complete = self._train(bar)
                 finally:  # a generator loader's own cleanup runs now, under the flags it ran under
-                    getattr(self.iterator, "close", lambda: None)()
+                    if self.made:
+                        self.iterator.close()
         except BaseException:
             if self.first is not None:
                 self.engine.discard_accumulation()

@@ -229,8 +229,8 @@ def warn_overridden_flags(policy: PrecisionPolicy) -> None:
                   if now not in default and want != now]
     if overridden:
         warnings.warn(f"precision {policy.name!r} overrides this process's {', '.join(overridden)} while it trains; "
-                      "precision='fp32' leaves them as they are, or pass a policy with the tf32= and cudnn_benchmark= you "
-                      "want (None leaves one)",
+                      "a policy with tf32=None and cudnn_benchmark=None leaves them (precision='fp32' is one), or pass "
+                      "the values you want",
                       UserWarning, stacklevel=_compat.stacklevel_outside_package())
 
 

@@ -14,8 +14,6 @@ from .policy import (BF16Policy, BF16PurePolicy, FP16Policy, FP32Policy, Precisi
 
 __all__ = ["PRECISIONS", "get_policy", "default_precisions"]
 
-log = logging.getLogger(__name__)
-
 PRECISIONS: dict[str, Callable[[], PrecisionPolicy]] = {
     "fp32": FP32Policy,
     "fp32-strict": lambda: FP32Policy(tf32=False),
@@ -79,5 +77,5 @@ def _auto_policy(device: torch.device) -> PrecisionPolicy:
         policy = BF16Policy(note="auto: this CPU runs bf16 natively")
     else:
         policy = FP32Policy(tf32=False, note=f"auto: no native reduced precision (nor TF32) found for {device}, so fp32")
-    log.info("precision='auto' chose %s: %s", policy.name, policy.note)
+    logging.getLogger(__name__).info("precision='auto' chose %s: %s", policy.name, policy.note)
     return policy

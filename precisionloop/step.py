@@ -35,8 +35,8 @@ class StepResult:
         nonfinite: the names of the parameters whose gradients held an inf or NaN, checked per parameter from the
             second skipped step in a row on, else ``()``. On CUDA "in a row" counts the skips the host has seen
             when the step starts: at once after ``result.skipped`` is read, else a step later.
-        outputs: the model's outputs for this micro-batch, detached (copied when compiled), with
-            ``step(batch, outputs=True)``; else ``None``.
+        outputs: with ``step(batch, outputs=True)``, the model's outputs for this micro-batch, their tensors (in
+            tuples, lists and mappings) detached, copied when compiled; else ``None``.
     """
 
     __slots__ = ("_loss", "_scale", "_grad_norm", "_outcome", "outputs")
@@ -127,15 +127,14 @@ def _check_loss(loss: Any) -> None:
                            "frozen, or was it computed under torch.no_grad()? Nothing was changed")
 
 
-def _start_momentum_buffers(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> bool:
-    """Zero momentum buffers for a fused SGD's parameters about to take their first step; whether the step may then be
-    skipped on the device. torch makes them with ``empty_like`` and fills them in the kernel, so a skip would leave
-    garbage, and refuses a mix of parameters with and without them. Without dampening, momentum from zero takes the
-    same first step (the buffer becomes the gradient); with it, the step is skipped on the host."""
-    if len(optimizer.state) >= len(params):  # every parameter has stepped: nothing to start
+def _start_momentum_buffers(optimizer: torch.optim.Optimizer) -> bool:
+    """Zero momentum buffers for a fused SGD's new parameters (torch's ``empty_like`` ones would keep garbage through
+    a skip); whether the step may be skipped on the device: without dampening momentum from zero steps as torch's
+    first step does, with it (never fused by the Trainer) the host decides."""
+    if type(optimizer) is not torch.optim.SGD:
         return True
     for group in optimizer.param_groups:
-        if group.get("fused") and group.get("momentum", 0) != 0:
+        if group["fused"] and group["momentum"] != 0:
             for p in group["params"]:
                 if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
                     if group["dampening"] != 0:
@@ -188,7 +187,7 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -
     groups = optimizer.param_groups
     if (type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or optimizer.state
             or any(g.get("fused") is not None or g.get("foreach") or g.get("capturable") or g.get("differentiable")
-                   for g in groups)
+                   or g.get("dampening") for g in groups)
             or not all(p.is_cuda and p.is_floating_point() for g in groups for p in g["params"])
             or any(getattr(m, "sparse", False) for m in model.modules())):
         return False
@@ -279,8 +278,6 @@ class StepEngine:
                     outputs, targets = self.forward_batch(batch)
                     loss = self.compute_loss(outputs, targets)
                 _check_loss(loss)
-                if keep_outputs:  # copied when compiled: a CUDA-graph output would be overwritten by the next replay
-                    outputs = map_tensors(lambda t: t.detach().clone() if compiled else t.detach(), outputs)
                 self.loss_scale.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
                 self.unsynced = bool(self.distributed) and not syncs
                 self.micro += 1
@@ -293,7 +290,8 @@ class StepEngine:
                 else:
                     self._losses.append(loss)
                     result = self.optimizer_step()
-                result.outputs = outputs if keep_outputs else None
+                if keep_outputs:  # copied when compiled: a CUDA-graph output would be overwritten by the next replay
+                    result.outputs = map_tensors(lambda t: t.detach().clone() if compiled else t.detach(), outputs)
                 return result
         except RefusedLoss:
             raise  # refused before its backward: nothing changed
@@ -342,7 +340,7 @@ class StepEngine:
 
         skip = self.policy.should_skip(nonfinite, grad_norm)
         try:
-            if _compat.skips_on_device(self.optimizer) and _start_momentum_buffers(self.optimizer, params):
+            if _compat.skips_on_device(self.optimizer) and _start_momentum_buffers(self.optimizer):
                 self.optimizer.grad_scale, self.optimizer.found_inf = None, skip  # GradScaler's contract
                 try:
                     self.optimizer.step()

@@ -46,15 +46,6 @@ class Trainer:
     Raises:
         ValueError: an optimizer that does not hold exactly the model's trainable parameters, a scheduler without
             ``scheduler_interval``, weights the policy refuses, or a device that cannot run it.
-
-    Example:
-        >>> import torch
-        >>> from precisionloop import Trainer
-        >>> model = torch.nn.Linear(8, 3)
-        >>> trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", device="cpu")
-        >>> result = trainer.step((torch.randn(4, 8), torch.tensor([0, 1, 2, 0])))
-        >>> result.stepped, next(model.parameters()).dtype
-        (True, torch.float32)
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -215,6 +215,13 @@ def test_a_hand_loops_own_state_round_trips_with_the_trainers(tmp_path):
     assert torch.equal(fresh_ema.n_averaged, ema.n_averaged)
 
 
+def test_own_state_a_checkpoint_could_not_load_is_refused_when_saved(tmp_path):
+    _, trainer = mk("bf16")
+    with pytest.raises(TypeError, match=r"'counters'.*float64.*float\(\)"):
+        trainer.save(tmp_path / "c.pt", extra={"counters": Counters(epoch=np.float64(3.0))})
+    assert not (tmp_path / "c.pt").exists()
+
+
 @pytest.mark.parametrize("case", ["a name not saved", "a state refused"])
 def test_a_load_whose_own_state_does_not_fit_changes_nothing(tmp_path, case):
     _, trainer = mk("bf16")

@@ -671,3 +671,17 @@ def test_fit_averages_low_precision_losses_in_fp32():
     model = tiny_mlp()
     trainer = BF16Loss(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
     assert trainer.fit(batches(3), epochs=1, progress=False)[0]["train_loss"] == 1.0078125
+
+
+def test_fit_leaves_open_an_iterator_it_did_not_make():
+    """A stream passed as the loader is the caller's: fit stopped by max_steps leaves it open for the next fit."""
+    _, trainer = mk()
+
+    def stream():
+        for seed in range(100):
+            yield batch(seed)
+
+    batches_in = stream()
+    trainer.fit(batches_in, max_steps=3, progress=False)
+    trainer.fit(batches_in, max_steps=6, progress=False)
+    assert trainer.global_step == 6

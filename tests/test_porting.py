@@ -95,7 +95,7 @@ def test_a_policy_that_overrides_the_users_tf32_warns_once_naming_fp32():
             Trainer(conv, torch.optim.SGD(conv.parameters(), lr=0.1), "fp32-strict")
         matmul.allow_tf32 = True  # what a script does at its top
         model = nn.Linear(8, 4)
-        with pytest.warns(UserWarning, match="precision='fp32' leaves them as they are") as record:
+        with pytest.warns(UserWarning, match="precision='fp32' is one") as record:
             trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32-strict")
         assert len(record) == 1
         with warnings.catch_warnings():
