@@ -128,16 +128,20 @@ class Batches:
 
 
 @contextlib.contextmanager
-def lightning_flags(tf32: bool, benchmark: bool):
-    """TF32 and cudnn.benchmark as precisionloop's policy sets them, through the API Lightning reads.
+def lightning_flags(tf32: bool | None, benchmark: bool | None):
+    """TF32 and cudnn.benchmark as precisionloop's policy sets them (None: as they are), through the API Lightning
+    reads.
 
     Lightning asks ``torch.get_float32_matmul_precision()``, which raises once the per-backend ``fp32_precision``
     settings (precisionloop's policies use them) have been set; so for Lightning the same flags are set the older
     way, and every setting read here, per backend where torch has them, is put back after.
     """
     saved = [(owner, name, getattr(owner, name)) for owner, name in _flag_settings()]
-    torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = benchmark, tf32
+    if tf32 is not None:
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+    if benchmark is not None:
+        torch.backends.cudnn.benchmark = benchmark
     try:
         yield
     finally:

@@ -128,6 +128,6 @@ def test_autotuned_on_cuda_chooses_among_every_precision_with_peaks():
     batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 4, (16,)))
     trainer = Trainer.autotuned(model, torch.optim.SGD(model.parameters(), lr=0.05), batch, device="cuda", steps=3)
     result = trainer.autotune_result
-    assert {r.candidate.precision for r in result.results} == {"fp32", "tf32", "bf16", "fp16"}
+    assert {r.candidate.precision for r in result.results} == {"fp32-strict", "tf32", "bf16", "fp16"}
     assert all(r.timing.peak_mb is not None for r in result.results if r.rejected is None)
     assert trainer.step(batch).stepped
