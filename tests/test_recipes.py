@@ -337,7 +337,7 @@ def test_the_recipe_on_cuda(tmp_path):
     out = tmp_path / "bench.json"
     resnet18_bench.main(["--batch-sizes", "4", "--iters", "3", "--warmup", "2", "--image-size", "64", "--json", str(out)])
     results = json.loads(out.read_text())["results"]
-    assert {r["precision"] for r in results} == {"fp32", "tf32", "bf16", "fp16"}
+    assert {r["precision"] for r in results} == {"fp32-strict", "tf32", "bf16", "fp16"}
     assert all(r["peak_mb"] > 0 and r["median_ms"] > 0 and r["error"] is None for r in results)
 
 
