@@ -33,10 +33,9 @@ _ALIASES = {
 
 
 def default_precisions(device_type: str) -> list[str]:
-    """The precisions autotune and the benchmark compare by default, in order, the first strict fp32 (their reference);
-    tf32 and fp16 only on CUDA."""
-    # Not bf16-pure nor fp8: added where asked for. Off CUDA the TF32 switches change nothing, so fp32 is strict, and
-    # fp16 autocast on the CPU is about 20x slower than fp32.
+    """The precisions autotune and the benchmark compare by default, the first their strict-fp32 reference: tf32 and
+    fp16 only on CUDA (off it the TF32 switches change nothing, and fp16 autocast is about 20x slower than fp32);
+    bf16-pure and fp8 where asked for."""
     return ["fp32-strict", "tf32", "bf16", "fp16"] if device_type == "cuda" else ["fp32", "bf16"]
 
 

@@ -196,10 +196,9 @@ def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -
 
 
 class _Outcome:
-    """One optimizer step in one row, ``[skip, non-finite, scale, the micro-batch losses...]``: the check writes its
-    flag into the skip's place and checks the losses in place (a copy, safe from the next CUDA-graph replay); a
-    policy's other judgement moves it to the second. ``send`` starts the row's way to the host, on CUDA a copy
-    without blocking and an event after it. NaN in the second place: not judged apart; in the scale's: no scaler."""
+    """One optimizer step in one row, ``[skip, non-finite, scale, the micro-batch losses...]`` (a non-finite NaN: not
+    judged apart from the skip; a scale NaN: no scaler), which the check writes in place. ``send`` starts its way to
+    the host: on CUDA a copy without blocking, then an event."""
 
     __slots__ = ("row", "values", "event", "names", "flags")
 
@@ -278,6 +277,10 @@ class StepEngine:
                     outputs, targets = self.forward_batch(batch)
                     loss = self.compute_loss(outputs, targets)
                 _check_loss(loss)
+                if keep_outputs:  # copied when compiled: the next CUDA-graph replay overwrites them
+                    outputs = map_tensors(lambda t: t.detach().clone() if compiled else t.detach(), outputs)
+                else:  # dropped before the backward, which can then free them (a language model's logits are large)
+                    outputs = None
                 self.loss_scale.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
                 self.unsynced = bool(self.distributed) and not syncs
                 self.micro += 1
@@ -290,8 +293,7 @@ class StepEngine:
                 else:
                     self._losses.append(loss)
                     result = self.optimizer_step()
-                if keep_outputs:  # copied when compiled: a CUDA-graph output would be overwritten by the next replay
-                    result.outputs = map_tensors(lambda t: t.detach().clone() if compiled else t.detach(), outputs)
+                result.outputs = outputs
                 return result
         except RefusedLoss:
             raise  # refused before its backward: nothing changed

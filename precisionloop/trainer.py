@@ -170,8 +170,7 @@ class Trainer:
             return self._engine.step(self.to_device(batch), outputs)
 
     def flush(self) -> StepResult | None:
-        """Take the optimizer step for an open accumulation, its gradients averaged; None if none is open. The result's
-        ``loss`` is NaN. As with ``step``, an exception discards the accumulation."""
+        """The optimizer step of an open accumulation (gradients averaged, ``loss`` NaN), or None; errors discard it."""
         with self.policy.backend_flags(self.device.type):
             return self._engine.flush()
 

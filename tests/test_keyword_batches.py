@@ -2,6 +2,7 @@
 and hand back their outputs with no subclass; float64 inputs are named for what they are."""
 
 import collections
+import weakref
 
 import pytest
 import torch
@@ -128,3 +129,14 @@ def test_a_transformers_causal_lm_built_from_a_config_trains_with_no_subclass():
     losses = [trainer.step({"input_ids": ids, "labels": ids}).loss for _ in range(5)]
     assert losses[-1] < losses[0]
     assert trainer.evaluate([{"input_ids": ids, "labels": ids}])["val_loss"] < losses[0]
+
+
+def test_a_step_not_asked_for_its_outputs_frees_them_before_the_backward():
+    """Memory as before outputs could be kept: the forward's outputs (a language model's logits) are not held."""
+    seen = {}
+    model = TinyLM()
+    model.head.register_forward_hook(lambda module, args, out: seen.update(logits=weakref.ref(out)))
+    model.head.weight.register_hook(lambda grad: seen.update(alive=seen["logits"]() is not None))
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp32", device="cpu")
+    trainer.step(lm_batch(1))
+    assert seen["alive"] is False
