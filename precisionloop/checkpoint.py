@@ -154,7 +154,7 @@ def load_state(trainer, state: dict, source: str, extra: Mapping[str, Any]) -> N
     saved_extra = state.get("extra", {})  # older files hold none
     missing = [name for name in extra if name not in saved_extra]
     if missing:
-        problems.append(f"it holds no state for {', '.join(missing)} (only for {', '.join(saved_extra) or 'nothing else'})")
+        problems.append(f"it holds no state for {', '.join(missing)} (it has: {', '.join(saved_extra) or 'none'})")
     if problems:
         raise ValueError(f"{source} does not fit this Trainer: {'; '.join(problems[:5])}; nothing was loaded")
     if state["precision"] != trainer.policy.name:
@@ -176,11 +176,10 @@ def _refused_type(value: Any) -> str | None:
     """The name of the first type in ``value`` that weights-only loading refuses, or None."""
     if isinstance(value, torch.Tensor) or type(value) in (int, float, bool, str, bytes, type(None), torch.Size):
         return None
-    if type(value) in (dict, collections.OrderedDict):
-        return next(filter(None, map(_refused_type, [*value.keys(), *value.values()])), None)
-    if type(value) in (list, tuple):
-        return next(filter(None, map(_refused_type, value)), None)
-    return type(value).__name__
+    if type(value) not in (dict, collections.OrderedDict, list, tuple):
+        return type(value).__name__
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return next(filter(None, map(_refused_type, items)), None)
 
 
 def _load_extra(objects: Mapping[str, Any], saved: dict, source: str) -> None:

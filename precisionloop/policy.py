@@ -68,6 +68,8 @@ class PrecisionPolicy:
         runs, those not ``None``, then restore the caller's values."""
         benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
         precision = None if self.tf32 is None else "tf32" if self.tf32 else "ieee"
+        if precision is None and benchmark is None:  # each step enters it: nothing to read
+            return contextlib.nullcontext()
         return _flags_set((precision, precision, precision, benchmark))
 
     def check_compile(self, mode: str | None, device_type: str) -> None:
@@ -230,8 +232,7 @@ def warn_overridden_flags(policy: PrecisionPolicy) -> None:
     if overridden:
         warnings.warn(f"precision {policy.name!r} overrides this process's {', '.join(overridden)} while it trains; "
                       "a policy with tf32=None and cudnn_benchmark=None leaves them (precision='fp32' is one), or pass "
-                      "the values you want",
-                      UserWarning, stacklevel=_compat.stacklevel_outside_package())
+                      "the values you want", UserWarning, stacklevel=_compat.stacklevel_outside_package())
 
 
 def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -> None:
