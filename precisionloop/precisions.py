@@ -75,6 +75,6 @@ def _auto_policy(device: torch.device) -> PrecisionPolicy:
     elif device.type == "cpu" and _compat.cpu_bf16_native():
         policy = BF16Policy(note="auto: this CPU runs bf16 natively")
     else:
-        policy = FP32Policy(tf32=False, note=f"auto: no native reduced precision (nor TF32) found for {device}, so fp32")
+        policy = FP32Policy(tf32=False, note=f"auto: no native reduced precision nor TF32 on {device}, so strict fp32")
     logging.getLogger(__name__).info("precision='auto' chose %s: %s", policy.name, policy.note)
     return policy

@@ -79,7 +79,7 @@ class AutotuneResult:
 
 def default_candidates(model: nn.Module, device: str | torch.device | None = None, *,
                        compile: bool = False) -> list[Candidate]:
-    """:func:`~precisionloop.precisions.default_precisions` (fp32-strict, tf32, bf16, fp16 on CUDA), both layouts for conv models, compiled too if asked;
+    """:func:`~precisionloop.precisions.default_precisions`, both layouts for conv models, compiled too if asked;
     with ``compile``, ``FP8Policy()`` compiled where fp8 runs (eager, torchao's casts make it slower than bf16)."""
     device = resolve_device(device)
     precisions = default_precisions(device.type)

@@ -4,7 +4,8 @@ Run ``python -m precisionloop.recipes.resnet18_bench --help`` for the flags. ``T
 hand-written torch.amp loop with the same settings, in interleaved rounds of fresh instances
 (:func:`precisionloop.recipes.timing.interleaved`), by the method that fits what is timed (``--method``): on CUDA
 compiled steps back to back, eager steps alternating between the systems step by step; on the CPU one system after
-the other. Each figure is the median over rounds [min-max], with its speed-up over tf32 (fp32-strict where there is no TF32).
+the other. Each figure is the median over rounds [min-max], with its speed-up over tf32
+(fp32-strict where there is no TF32).
 ``--model transformer`` times a Linear-heavy decoder stack (:mod:`precisionloop.recipes.models`) on random tokens.
 """
 
