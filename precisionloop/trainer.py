@@ -156,8 +156,7 @@ class Trainer:
 
         Raises:
             ValueError: the loss is not a scalar or does not require grad (before backward; nothing changed).
-            TypeError: the batch is not ``(inputs, targets)`` and ``forward_batch`` is not overridden (nothing
-                changed).
+            TypeError: a batch neither ``(inputs, targets)`` nor a mapping, with no ``forward_batch`` override.
         """
         pair = isinstance(batch, (tuple, list)) and len(batch) == 2
         if self._takes_pairs and not (pair or isinstance(batch, Mapping)):
@@ -283,6 +282,7 @@ class Trainer:
 
         Raises:
             RuntimeError: an accumulation is open.
+            TypeError: an ``extra`` state holds a type a checkpoint could not load (a numpy number, a ``Path``).
         """
         state, path = self.state_dict(extra), Path(path)  # every rank takes part: the state is gathered
         if self.is_main:
