@@ -110,8 +110,8 @@ def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
     for name, state in extra_states.items():  # found now, not when the run is to resume
         refused = _refused_type(state)
         if refused is not None:
-            raise TypeError(f"extra {name!r}'s state_dict holds a {refused}, which loading with weights_only=True "
-                            "refuses: keep numbers, strings, tensors, lists and dicts there (a numpy number: float())")
+            raise TypeError(f"the state_dict of extra {name!r} holds a {refused}, which loading with weights_only=True"
+                            " refuses: keep numbers, strings, tensors, lists and dicts there (a numpy number: float())")
     engine = trainer._engine.state_dict()  # first: it refuses an open accumulation
     scheduler = trainer.scheduler
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
