@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from typing import Iterator
@@ -39,7 +38,8 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scal
     fused = grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ())
     if fused and (inv_scale is not None or device == "cpu"
                   or sum(map(torch.Tensor.numel, grads)) <= FUSED_CHECK_MAX_ELEMENTS):
-        scale = _one(found_inf.device) if inv_scale is None else inv_scale.to(found_inf.device)
+        one = torch.ones((), dtype=torch.float32, device=found_inf.device)  # a scale of one: the values stay
+        scale = one if inv_scale is None else inv_scale.to(found_inf.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale)
         return
     grads = [g for g in grads if g.numel()]  # an inf-norm of nothing is an error
@@ -49,12 +49,6 @@ def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scal
     torch.maximum(found_inf, found.to(found_inf.dtype), out=found_inf)
     if inv_scale is not None:
         torch._foreach_mul_(grads, inv_scale)
-
-
-@functools.cache
-def _one(device: torch.device) -> torch.Tensor:
-    with torch.inference_mode(False):
-        return torch.ones((), dtype=torch.float32, device=device)
 
 
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -150,8 +144,6 @@ def is_batch_norm(module: nn.Module) -> bool:
 
 def dense_values(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's stored values: itself when dense, its values when sparse, its local shard under FSDP2."""
-    if type(grad) is torch.Tensor and not grad.is_sparse:  # the common case, without hasattr's failed lookup
-        return grad
     g = grad._values() if grad.is_sparse else grad
     return g.to_local() if hasattr(g, "to_local") else g
 

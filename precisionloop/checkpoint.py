@@ -3,11 +3,12 @@ nothing, in one layout whether the run had one process, DDP or FSDP2."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import importlib.metadata
+import io
 import os
+import pickle
 import random
 import re
 import uuid
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from . import _compat, distributed as _dist
+from .step import map_tensors
 
 try:
     import numpy as np
@@ -54,6 +56,9 @@ def atomic_save(obj: Any, path: Path) -> None:
             os.close(dir_fd)
 
 
+_REFUSED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")  # in torch's text, the type it refused
+
+
 def read(path: str | os.PathLike) -> dict:
     """Load a precisionloop checkpoint with ``weights_only=True``; a ValueError for a damaged or foreign file."""
     try:
@@ -61,7 +66,7 @@ def read(path: str | os.PathLike) -> dict:
     except (FileNotFoundError, IsADirectoryError):
         raise
     except Exception as e:  # a damaged file can fail anywhere in the unpickler
-        refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        refused = _REFUSED.search(str(e))
         if refused:  # torch's text holds terminal escape codes; the type it refused is what matters
             raise ValueError(f"{path} is a torch file from another program, not a precisionloop checkpoint: it "
                              f"holds the type {refused.group(1)}, which weights_only=True loading refuses. If you "
@@ -172,14 +177,16 @@ def load_state(trainer, state: dict, source: str, extra: Mapping[str, Any]) -> N
     set_rng_state(per_rank[_dist.rank()] if per_rank and len(per_rank) == _dist.world_size() else state["rng"])
 
 
-def _refused_type(value: Any) -> str | None:
-    """The name of the first type in ``value`` that weights-only loading refuses, or None."""
-    if isinstance(value, torch.Tensor) or type(value) in (int, float, bool, str, bytes, type(None), torch.Size):
-        return None
-    if type(value) not in (dict, collections.OrderedDict, list, tuple):
-        return type(value).__name__
-    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
-    return next(filter(None, map(_refused_type, items)), None)
+def _refused_type(state: Any) -> str | None:
+    """The type in ``state`` that loading with weights_only=True refuses, by torch's own check (tensors left out)."""
+    saved = io.BytesIO()
+    torch.save(map_tensors(lambda t: None, state), saved)
+    try:
+        torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = _REFUSED.search(str(e))
+        return refused.group(1) if refused else "type"
+    return None
 
 
 def _load_extra(objects: Mapping[str, Any], saved: dict, source: str) -> None:
