@@ -44,9 +44,11 @@ class PrecisionPolicy:
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         """The context manager for the forward pass and the loss."""
-        if self.compute_dtype == torch.float32:
-            return torch.autocast(device_type, enabled=False)  # also switches off an autocast the caller opened
-        return torch.autocast(device_type, dtype=self.compute_dtype)
+        if self.compute_dtype != torch.float32:
+            return torch.autocast(device_type, dtype=self.compute_dtype)
+        if torch.is_autocast_enabled(device_type):
+            return torch.autocast(device_type, enabled=False)  # switches off an autocast the caller opened
+        return contextlib.nullcontext()  # no autocast to switch off: nothing to enter each step
 
     def make_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
         """A fresh loss scaler for this device type, or ``None`` when gradients need no scaling."""
@@ -64,11 +66,11 @@ class PrecisionPolicy:
         return nonfinite
 
     def backend_flags(self, device_type: str = "cuda") -> contextlib.AbstractContextManager:
-        """Set the TF32 switches and ``cudnn.benchmark`` (process-wide, whatever the device type) while the block
-        runs, those not ``None``, then restore the caller's values."""
+        """Set the TF32 switches and ``cudnn.benchmark``, those not ``None``, while the block runs on CUDA, then
+        restore the caller's values; nothing on another device, whose math they do not change."""
         benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
         precision = None if self.tf32 is None else "tf32" if self.tf32 else "ieee"
-        if precision is None and benchmark is None:  # each step enters it: nothing to read
+        if device_type != "cuda" or (precision is None and benchmark is None):  # each step enters it: read nothing
             return contextlib.nullcontext()
         return _flags_set((precision, precision, precision, benchmark))
 

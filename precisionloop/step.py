@@ -154,8 +154,8 @@ class _NoLossScale:
     def inverse(self) -> torch.Tensor | None:
         return None
 
-    def adjust(self, nonfinite: torch.Tensor, record: torch.Tensor) -> None:
-        """Update the scale after a step, and copy it into ``record``."""
+    def adjust(self, nonfinite: torch.Tensor, row: torch.Tensor) -> None:
+        """Update the scale after a step, and copy it into the outcome's ``row[2]``."""
 
     def value(self) -> torch.Tensor | None:
         return None
@@ -173,9 +173,9 @@ class _DynamicLossScale(_NoLossScale):
     def inverse(self) -> torch.Tensor:
         return self.value().double().reciprocal().float()  # as GradScaler.unscale_ computes it
 
-    def adjust(self, nonfinite: torch.Tensor, record: torch.Tensor) -> None:
+    def adjust(self, nonfinite: torch.Tensor, row: torch.Tensor) -> None:
         _compat.update_scale_(self.scaler, nonfinite)  # backs off on non-finite values only, not a judged skip
-        record.copy_(self.value())
+        row[2].copy_(self.value())
 
     def value(self) -> torch.Tensor | None:
         return _compat.scaler_scale_tensor(self.scaler)
@@ -281,18 +281,22 @@ class StepEngine:
                     outputs = map_tensors(lambda t: t.detach().clone() if compiled else t.detach(), outputs)
                 else:  # dropped before the backward, which can then free them (a language model's logits are large)
                     outputs = None
-                self.loss_scale.scale(loss / self.grad_accum_steps if self.grad_accum_steps > 1 else loss).backward()
+                if loss.dim():
+                    loss = loss.reshape(())  # the outcome stacks scalars
+                scaled = self.loss_scale.scale(loss)
+                (scaled / self.grad_accum_steps if self.grad_accum_steps > 1 else scaled).backward()
                 self.unsynced = bool(self.distributed) and not syncs
                 self.micro += 1
-                loss = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())  # the outcome stacks scalars
+                kept = scaled.detach()  # scaled: the check unscales it with the gradients
                 if self.micro < self.grad_accum_steps:
                     # A CUDA-graph output would be overwritten by the next replay; the scale is updated in place.
-                    self._losses.append(loss if self.compile_mode is None else loss.clone())
+                    self._losses.append(kept.clone() if compiled else kept)
                     scale = self.loss_scale.value()
-                    result = StepResult(self._losses[-1], scale=None if scale is None else scale.clone())
+                    result = StepResult(loss.detach().clone() if compiled else loss.detach(),
+                                        scale=None if scale is None else scale.clone())
                 else:
-                    self._losses.append(loss)
-                    result = self.optimizer_step()
+                    self._losses.append(kept)
+                    result = self.optimizer_step(None if compiled else loss.detach())
                 result.outputs = outputs
                 return result
         except RefusedLoss:
@@ -320,14 +324,14 @@ class StepEngine:
 
     def optimizer_step(self, loss: torch.Tensor | None = None) -> StepResult:
         """Check, clip, judge, then step or skip: on the device where the optimizer takes the flag, else on the host.
-        The result's loss is ``loss`` if given, else the last micro-batch's."""
+        The result's loss is ``loss`` if given, else the last micro-batch's (compiled: safe from the next CUDA-graph
+        replay)."""
         # A scheduler must have set this step's LR, so with one every earlier outcome is counted first; without,
         # those already on the host or two steps old, so the host never waits for the step just queued.
         self.sync(wait_all=self.scheduler is not None)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]  # add_param_group too
         grads = [p.grad for p in params if p.grad is not None]
-        last = self._losses[-1]
-        outcome = _Outcome(self._losses, *self._constants(last.device))
+        outcome = _Outcome(self._losses, *self._constants(self._losses[-1].device))
         nonfinite = self._check(grads, outcome.row)
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
@@ -350,7 +354,7 @@ class StepEngine:
                     del self.optimizer.grad_scale, self.optimizer.found_inf
             elif not skip.item():  # the one host sync
                 self.optimizer.step()
-            self.loss_scale.adjust(nonfinite, outcome.row[2])
+            self.loss_scale.adjust(nonfinite, outcome.row)
         finally:  # the weights may have changed: the step counts, whatever was raised
             self.micro, self.unsynced, self.global_step, self._losses = 0, False, self.global_step + 1, []
             with contextlib.suppress(Exception):  # counted with the others (a second error would hide the first)
@@ -364,9 +368,7 @@ class StepEngine:
         self.optimizer.zero_grad(set_to_none=True)
         if outcome.event is None:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
-        if loss is None:  # the last micro-batch's, in its dtype; compiled, a copy safe from the next CUDA-graph replay
-            loss = last if self.compile_mode is None else outcome.row[-1]
-        return StepResult(loss, grad_norm=norm[0], outcome=outcome)
+        return StepResult(outcome.row[-1] if loss is None else loss, grad_norm=norm[0], outcome=outcome)
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """0 and NaN on the loss's device, made once: the outcome row starts from them without a fill per step."""
@@ -376,17 +378,16 @@ class StepEngine:
         return self._zero_nan
 
     def _check(self, grads: list[torch.Tensor], row: torch.Tensor) -> torch.Tensor:
-        """``row[0]``: 1.0 if a gradient or a micro-batch loss (``row[3:]``) is not finite, else 0.0 (fp32: fused
-        optimizers skip only on exactly 1), the gradients unscaled; alike on every rank."""
+        """``row[0]``: 1.0 if a gradient or a micro-batch loss (``row[3:]``, scaled) is not finite, else 0.0 (fp32:
+        fused optimizers skip only on exactly 1), the gradients and the losses unscaled; alike on every rank. A NaN
+        loss (a batch of ignored targets: 0/0) can leave every gradient finite."""
         found = row[0]
         inverse = self.loss_scale.inverse()
-        for group in _compat.group_by_device_and_dtype([_compat.dense_values(g) for g in grads]) if grads else ():
+        for group in _compat.group_by_device_and_dtype([row[3:], *map(_compat.dense_values, grads)]):
             here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
             _compat.non_finite_any_(group, here, inverse)
             if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
                 torch.maximum(found, here.to(found.device), out=found)
-        # A NaN loss (a batch of ignored targets: 0/0) can leave every gradient finite.
-        _compat.non_finite_any_([row[3:]], found, None)
         if self.distributed:  # each rank's loss is its own, whatever the gradients agree on
             _dist.all_reduce_max_(found)
         return found
