@@ -66,8 +66,7 @@ class PrecisionPolicy:
         return nonfinite
 
     def backend_flags(self, device_type: str = "cuda") -> contextlib.AbstractContextManager:
-        """Set the TF32 switches and ``cudnn.benchmark``, those not ``None``, while the block runs on CUDA, then
-        restore the caller's values; nothing on another device, whose math they do not change."""
+        """On CUDA, the TF32 switches and ``cudnn.benchmark`` the policy names set for the block, then restored."""
         benchmark = self.tf32 if self.cudnn_benchmark is None else self.cudnn_benchmark
         precision = None if self.tf32 is None else "tf32" if self.tf32 else "ieee"
         if device_type != "cuda" or (precision is None and benchmark is None):  # each step enters it: read nothing
@@ -132,8 +131,8 @@ class FP32Policy(PrecisionPolicy):
         """As :meth:`PrecisionPolicy.check_model`, and a ValueError for tf32 where there is no TF32 (it is fp32)."""
         super().check_model(model, device)
         if self.tf32 and device is not None and not has_tf32(device):
-            where = "the CPU" if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
-            raise ValueError(f"precision 'tf32': TF32 needs a CUDA GPU of compute capability 8.0+, and {where} has "
+            where = f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type.upper()
+            raise ValueError(f"precision 'tf32': TF32 needs a CUDA GPU of compute capability 8.0+, and the {where} has "
                              "none (tf32 would run as fp32); use fp32")
 
 
@@ -150,9 +149,9 @@ class BF16PurePolicy(BF16Policy):
     """bf16 weights, gradients and update, with no fp32 master copy; ``keep_fp32`` modules stay fp32.
 
     ``prepare_model`` casts the rest to bf16 in place; autocast stays on, so the ops it keeps in fp32 (softmax, the
-    losses) still run in fp32. A bf16 weight rounded to nearest loses updates smaller than half its last bit, so the
-    optimizer must round stochastically and say so with ``bf16_stochastic_round = True``, as
-    :class:`precisionloop.BF16AdamW` and torchao's optimizers built with ``bf16_stochastic_round=True`` do.
+    losses) still run in fp32. Rounded to nearest, a bf16 weight loses small updates, so the optimizer must round
+    stochastically and say so with ``bf16_stochastic_round = True``, as :class:`precisionloop.BF16AdamW` and
+    torchao's optimizers built with ``bf16_stochastic_round=True`` do.
     """
 
     name: ClassVar[str] = "bf16-pure"
@@ -176,13 +175,12 @@ class BF16PurePolicy(BF16Policy):
         """As :meth:`PrecisionPolicy.prepare_model`, then the floating tensors outside ``keep_fp32`` cast to bf16."""
         model = super().prepare_model(model)
         inner = _compat.unwrap(model)
-        kept = {id(m) for _, top in fp32_modules.select_modules(inner, self.keep_fp32) for m in top.modules()}
+        selected = fp32_modules.select_modules(inner, self.keep_fp32)
+        kept = {id(t) for _, m in selected for t in [*m.parameters(), *m.buffers()]}
         with torch.no_grad():  # in place, so the optimizer keeps its parameters
-            for module in inner.modules():
-                if id(module) not in kept:
-                    for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-                        if t.is_floating_point():
-                            t.data = t.data.to(self.param_dtype)
+            for t in [*inner.parameters(), *inner.buffers()]:
+                if t.is_floating_point() and id(t) not in kept:
+                    t.data = t.data.to(self.param_dtype)
         return model
 
 
@@ -257,9 +255,8 @@ def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -
 
 
 # The TF32 switches (torch's per-backend fp32_precision: "tf32" or "ieee"), then cudnn.benchmark, as labelled.
-_MATMUL, _CUDNN = torch.backends.cuda.matmul, torch.backends.cudnn
-_FLAGS = ((_MATMUL, "fp32_precision"), (_CUDNN.conv, "fp32_precision"), (_CUDNN.rnn, "fp32_precision"),
-          (_CUDNN, "benchmark"))
+_FLAGS = ((torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"),
+          (torch.backends.cudnn.rnn, "fp32_precision"), (torch.backends.cudnn, "benchmark"))
 _LABELS = ("cuda.matmul.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision", "cudnn.benchmark")
 # torch's own defaults ("none" defers to the global setting): a value among them is not the user's choice.
 _DEFAULTS = (("none", "ieee"), ("none", "tf32"), ("none", "tf32"), (False,))
@@ -271,8 +268,7 @@ def _current() -> tuple:
 
 @contextlib.contextmanager
 def _flags_set(wanted: tuple) -> Iterator[None]:
-    """Each of ``_FLAGS`` set to its wanted value, unless None, for the block; every one that differs then is restored
-    after."""
+    """Each of ``_FLAGS`` set to its wanted value, unless None, for the block; each one that differs restored after."""
     saved = _current()
     try:
         for (owner, name), value, was in zip(_FLAGS, wanted, saved):
