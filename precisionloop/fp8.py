@@ -13,8 +13,6 @@ from torch import nn
 from . import _compat, keep_fp32 as fp32_modules
 from .policy import BF16Policy, compute_capability, converted_layers
 
-log = logging.getLogger(__name__)
-
 __all__ = ["FP8Policy", "default_layers", "converted_layers"]
 
 _RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
@@ -96,8 +94,7 @@ class FP8Policy(BF16Policy):
 
     def check_model(self, model: nn.Module, device: torch.device | None = None) -> None:
         """A ValueError, before anything changes, if torchao is missing, ``device`` has no fp8 matmuls, the model is
-        wrapped in DDP or FSDP2 (it would train without fp8), a named layer cannot be converted or is kept in fp32, or
-        no layer would be converted."""
+        wrapped (DDP or FSDP2 would train it without fp8), a named layer cannot be converted or is kept, or none is."""
         require_torchao()
         if _compat.is_wrapped(model):
             raise ValueError("precision 'fp8' converts layers before wrapping: pass the plain model and "
@@ -129,7 +126,7 @@ class FP8Policy(BF16Policy):
         planned = set(self._planned(model))
         config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(self.recipe), emulate=self.emulate,
                                      pad_inner_dim=True)  # token counts not multiples of 16: padded, not refused
-        log.info("fp8: %d nn.Linear layer(s) converted (%s recipe)", len(planned), self.recipe)
+        logging.getLogger(__name__).info("fp8: %d nn.Linear layer(s) converted (%s recipe)", len(planned), self.recipe)
         return float8.convert_to_float8_training(model, module_filter_fn=lambda _, name: name in planned, config=config)
 
     def check_compile(self, mode: str | None, device_type: str) -> None:

@@ -33,9 +33,8 @@ _ALIASES = {
 
 
 def default_precisions(device_type: str) -> list[str]:
-    """The precisions autotune and the benchmark compare by default, the first their strict-fp32 reference: tf32 and
-    fp16 only on CUDA (off it the TF32 switches change nothing, and fp16 autocast is about 20x slower than fp32);
-    bf16-pure and fp8 where asked for."""
+    """The precisions autotune and the benchmark compare by default, strict fp32 (their reference) first; tf32 and fp16
+    only on CUDA (elsewhere TF32 changes nothing and fp16 autocast is about 20x slower), bf16-pure and fp8 if asked."""
     return ["fp32-strict", "tf32", "bf16", "fp16"] if device_type == "cuda" else ["fp32", "bf16"]
 
 
