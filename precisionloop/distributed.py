@@ -135,11 +135,6 @@ def all_reduce_max_(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
 
-def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
 def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
