@@ -59,10 +59,10 @@ def atomic_save(obj: Any, path: Path) -> None:
 _REFUSED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")  # in torch's text, the type it refused
 
 
-def read(path: str | os.PathLike) -> dict:
-    """Load a precisionloop checkpoint with ``weights_only=True``; a ValueError for a damaged or foreign file."""
+def read(path: str | os.PathLike) -> Any:
+    """A torch file loaded with ``weights_only=True``; a ValueError for a damaged file or another program's."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError):
         raise
     except Exception as e:  # a damaged file can fail anywhere in the unpickler
@@ -73,25 +73,17 @@ def read(path: str | os.PathLike) -> dict:
                              "trust it, load it yourself (torch.load(path, weights_only=False)) and load the model's "
                              "and the optimizer's states from it before building the Trainer") from None
         raise ValueError(f"cannot read checkpoint {path}: truncated, corrupt or not a torch file ({e!s:.200})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path} is a torch file but not a precisionloop checkpoint (no format={FORMAT!r}): load "
-                         "its states into the model and the optimizer before building the Trainer")
-    if state.get("version", 0) > VERSION:
-        raise ValueError(f"{path} was written by a newer precisionloop ({state.get('written_by', 'unknown')}, "
-                         f"checkpoint version {state['version']}); upgrade precisionloop to load it")
-    return state
 
 
 def rng_state() -> dict:
     """Every RNG state a training run draws from, in a form ``weights_only`` loading accepts."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():  # only once CUDA is in use: reading it would start it
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if np is not None:
-        s = np.random.get_state(legacy=False)
-        state["numpy"] = {"bit_generator": s["bit_generator"], "key": torch.from_numpy(s["state"]["key"].astype("int64")),
-                          "pos": int(s["state"]["pos"]), "has_gauss": int(s["has_gauss"]), "gauss": float(s["gauss"])}
+    if np is not None:  # its key as a tensor: weights_only loading refuses numpy arrays
+        name, key, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"bit_generator": name, "key": torch.from_numpy(key.astype("int64")), "pos": pos,
+                          "has_gauss": has_gauss, "gauss": gauss}
     return state
 
 
@@ -99,11 +91,11 @@ def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` captured."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate((version, tuple(internal), gauss))  # a list in older files
     if "numpy" in state and np is not None:
         s = state["numpy"]
-        np.random.set_state({"bit_generator": s["bit_generator"], "has_gauss": s["has_gauss"], "gauss": s["gauss"],
-                             "state": {"key": s["key"].numpy().astype(np.uint32), "pos": s["pos"]}})
+        key = s["key"].numpy().astype(np.uint32)
+        np.random.set_state((s["bit_generator"], key, s["pos"], s["has_gauss"], s["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         for index, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, index)
@@ -113,10 +105,7 @@ def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
     """Everything a Trainer needs to resume exactly, and ``extra``'s states, as a ``weights_only``-loadable dict."""
     extra_states = {name: obj.state_dict() for name, obj in extra.items()}
     for name, state in extra_states.items():  # found now, not when the run is to resume
-        refused = _refused_type(state)
-        if refused is not None:
-            raise TypeError(f"the state_dict of extra {name!r} holds a {refused}, which loading with weights_only=True"
-                            " refuses: keep numbers, strings, tensors, lists and dicts there (a numpy number: float())")
+        _check_loadable(name, state)
     engine = trainer._engine.state_dict()  # first: it refuses an open accumulation
     scheduler = trainer.scheduler
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
@@ -139,23 +128,24 @@ def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
 def load_state(trainer, state: dict, source: str, extra: Mapping[str, Any]) -> None:
     """:meth:`Trainer.load_state_dict`'s body: every check first, then every change."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{source} is not a precisionloop Trainer state (Trainer.state_dict's dict, with "
-                         f"format={FORMAT!r}); nothing was loaded")
+        raise ValueError(f"{source} is not a precisionloop checkpoint (Trainer.state_dict's dict, format={FORMAT!r}): "
+                         "load another program's states into the model and the optimizer before building the Trainer")
+    if state.get("version", 0) > VERSION:
+        raise ValueError(f"{source} was written by a newer precisionloop ({state.get('written_by', 'unknown')}, "
+                         f"checkpoint version {state['version']}); upgrade precisionloop to load it")
     problems = _model_problems(trainer.model, state["model"])
     optimizer, scheduler = trainer.optimizer, trainer.scheduler
     if state["optimizer_class"] != type(optimizer).__name__:
         problems.append(f"it holds a {state['optimizer_class']}'s state, this optimizer is a {type(optimizer).__name__}")
     saved_groups = [len(g["params"]) for g in state["optimizer"]["param_groups"]]
-    if saved_groups != [len(g["params"]) for g in optimizer.param_groups]:
-        problems.append(f"its optimizer parameter groups have sizes {saved_groups}, this optimizer's "
-                        f"{[len(g['params']) for g in optimizer.param_groups]}")
+    groups = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_groups != groups:
+        problems.append(f"its optimizer parameter groups have sizes {saved_groups}, this optimizer's {groups}")
     scheduler_class = type(scheduler).__name__ if scheduler is not None else None
-    if state["scheduler_class"] != scheduler_class:
-        problems.append(f"it was saved with scheduler {state['scheduler_class']}, this Trainer has "
-                        f"{scheduler_class or 'none'}")
-    elif scheduler is not None and state["scheduler_interval"] != trainer.scheduler_interval:
-        problems.append(f"it was saved with scheduler_interval={state['scheduler_interval']!r}, this Trainer has "
-                        f"{trainer.scheduler_interval!r}")
+    if (state["scheduler_class"], state["scheduler_interval"]) != (scheduler_class, trainer.scheduler_interval):
+        problems.append(f"it was saved with scheduler {state['scheduler_class']} (scheduler_interval="
+                        f"{state['scheduler_interval']!r}), this Trainer has {scheduler_class} "
+                        f"({trainer.scheduler_interval!r})")
     saved_extra = state.get("extra", {})  # older files hold none
     missing = [name for name in extra if name not in saved_extra]
     if missing:
@@ -177,16 +167,17 @@ def load_state(trainer, state: dict, source: str, extra: Mapping[str, Any]) -> N
     set_rng_state(per_rank[_dist.rank()] if per_rank and len(per_rank) == _dist.world_size() else state["rng"])
 
 
-def _refused_type(state: Any) -> str | None:
-    """The type in ``state`` that loading with weights_only=True refuses, by torch's own check (tensors left out)."""
+def _check_loadable(name: str, state: Any) -> None:
+    """A TypeError if loading ``state`` with weights_only=True would fail, by torch's own check (tensors left out)."""
     saved = io.BytesIO()
     torch.save(map_tensors(lambda t: None, state), saved)
     try:
         torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
     except pickle.UnpicklingError as e:
         refused = _REFUSED.search(str(e))
-        return refused.group(1) if refused else "type"
-    return None
+        raise TypeError(f"the state_dict of extra {name!r} holds a {refused.group(1) if refused else 'type'}, which "
+                        "loading with weights_only=True refuses: keep numbers, strings, tensors, lists and dicts there "
+                        "(a numpy number: float())") from None
 
 
 def _load_extra(objects: Mapping[str, Any], saved: dict, source: str) -> None:

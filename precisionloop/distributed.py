@@ -62,7 +62,7 @@ def wrap(model: nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.
          optimizer: torch.optim.Optimizer) -> nn.Module:
     """DDP-wrap or FSDP2-shard ``model``; under FSDP2 ``optimizer`` is repointed at the sharded parameters by name."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -74,18 +74,16 @@ def wrap(model: nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.
                          "for its kernel); build it with fused=False")
     names = {id(p): n for n, p in model.named_parameters()}
     by_group = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-    # fully_shard the fp32 modules (kept ones, affine batch norms), then each child of the root, then the root.
+    # fully_shard the fp32 modules (kept ones, affine batch norms) and the root's other children, then the root.
     mesh = init_device_mesh(device.type, (world_size(),))  # the default mesh would take the GPU for a CPU run
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     mp = fp32 if fp32_modules.is_kept(model) else MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32)
+    children = set(model.children())
     for module in reversed(list(model.modules())):  # bottom-up, as fully_shard wants
         kept = fp32_modules.is_kept(module) or (_compat.is_batch_norm(module) and module.affine)
-        if kept and module is not model and any(True for _ in module.parameters()):
-            fully_shard(module, mesh=mesh, mp_policy=fp32)
-    for child in model.children():
-        if not isinstance(child, FSDPModule) and any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh, mp_policy=mp)
+        if module is not model and (kept or module in children) and any(True for _ in module.parameters()):
+            fully_shard(module, mesh=mesh, mp_policy=fp32 if kept else mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     sharded = dict(model.named_parameters())
     for group, group_names in zip(optimizer.param_groups, by_group):
@@ -130,16 +128,11 @@ def shard_loader(loader: Any) -> Any:
     return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                      persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False)
+                      persistent_workers=loader.persistent_workers)
 
 
 def all_reduce_max_(tensor: torch.Tensor) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-
-
-def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 import types
@@ -75,35 +77,34 @@ def fit(trainer, train_loader: Iterable, epochs: int, val_loader: Iterable | Non
     """:meth:`Trainer.fit`'s body; see its docstring."""
     check_loader("train_loader", train_loader)
     check_loader("val_loader", val_loader)
-    if metrics and val_loader is None:
-        raise ValueError("metrics are computed on val_loader: pass val_loader too")
     plateau = isinstance(trainer.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if plateau and val_loader is None:
-        raise ValueError("a ReduceLROnPlateau is stepped with the validation loss at each epoch's end: pass a val_loader")
+    if (metrics or plateau) and val_loader is None:
+        needs = "metrics are computed on val_loader" if metrics else "a ReduceLROnPlateau is stepped with the val_loss"
+        raise ValueError(f"{needs} at each epoch's end: pass a val_loader")
     if trainer.distributed:  # each rank sees its share of the data; only rank 0 reports
         train_loader = _dist.shard_loader(train_loader)
-        val_loader = _dist.shard_loader(val_loader) if val_loader is not None else None
+        val_loader = _dist.shard_loader(val_loader)
         progress = progress and _dist.is_main()
-    reached = lambda: max_steps is not None and trainer.global_step >= max_steps  # noqa: E731
+    loggers = loggers if _dist.is_main() else ()  # only rank 0 logs
+    max_steps = math.inf if max_steps is None else max_steps
     options = dict(progress=progress, callbacks=callbacks, checkpoints=checkpoints, log_every=log_every,
-                   loggers=loggers, reached=reached)
+                   loggers=loggers, max_steps=max_steps)
     trainer.model.train()  # a model left in eval mode would train with frozen dropout and batch norms
     trainer._engine.set_probe(_underflow_probe(trainer, underflow_every) if underflow_every else None)
     history: list[dict] = []
     try:
-        while trainer.epoch < epochs and not reached():
+        while trainer.epoch < epochs and trainer.global_step < max_steps:
             record = _Epoch(trainer, train_loader, options).run(epochs)
-            if val_loader is not None and (record["complete"] or reached()):
+            if val_loader is not None:  # an epoch cut short by max_steps too
                 record.update(validate(trainer, val_loader, metrics or {}))
             if record["complete"]:
                 if trainer.scheduler_interval == "epoch":
                     trainer.scheduler.step(*([record["val_loss"]] if plateau else []))
                 trainer.epoch, trainer.batch_in_epoch, trainer._rng_epoch_start = trainer.epoch + 1, 0, None
             history.append(record)
-            if _dist.is_main():
-                numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                for logger in loggers:
-                    logger.log_metrics(numbers, trainer.global_step)
+            numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            for logger in loggers:
+                logger.log_metrics(numbers, trainer.global_step)
             for cb in callbacks:
                 if hasattr(cb, "on_epoch_end"):
                     cb.on_epoch_end(trainer, record)
@@ -124,7 +125,6 @@ def _start_epoch(trainer, loader: Iterable) -> Any:
     found = (getattr(owner, "generator", None) for owner in owners)  # those of its own a loader shuffles with
     generators = list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())  # each once
     if trainer._rng_epoch_start is None:  # samplers draw their seeds from these when the iterator is made
-        trainer.batch_in_epoch = 0
         trainer._rng_epoch_start = {**checkpoint.rng_state(), "loader": [g.get_state() for g in generators]}
     now = checkpoint.rng_state() if trainer.batch_in_epoch else None
     checkpoint.set_rng_state(trainer._rng_epoch_start)
@@ -153,12 +153,14 @@ class _Epoch:
         self.skipped_before = trainer.stats.skipped  # counts the steps before this epoch first
         self.steps_before = trainer.global_step
         self.iterator = _start_epoch(trainer, loader)
-        self.made = isinstance(self.iterator, types.GeneratorType) and self.iterator is not loader  # fit's to close
+        # A generator made from the loader is fit's to close: its own cleanup then runs under the flags it ran under.
+        made = isinstance(self.iterator, types.GeneratorType) and self.iterator is not loader
+        self.closing = contextlib.closing(self.iterator) if made else contextlib.nullcontext()
         try:
             self.total = len(loader)
         except TypeError:  # a generator, an IterableDataset's loader
             self.total = None
-        self.first = trainer.batch_in_epoch if self.engine.accumulating() else None  # one opened by hand before fit too
+        self.first, self.first_step = trainer.batch_in_epoch, trainer.global_step  # an accumulation opened by hand
         self.rng, self.losses = None, []  # losses: summed into totals 64 at a time, a few kernels, not per batch
         self.totals = torch.zeros(2, device=trainer.device)  # the finite losses' sum and count
         self.samples = self.logged_samples = 0
@@ -170,14 +172,10 @@ class _Epoch:
         bar = tqdm(total=self.total, initial=trainer.batch_in_epoch, disable=not self.options["progress"],
                    desc=f"epoch {trainer.epoch + 1}/{epochs} {trainer.policy.name}", dynamic_ncols=True)
         try:
-            with trainer.policy.backend_flags(trainer.device.type):
-                try:
-                    complete = self._train(bar)
-                finally:  # a generator loader's own cleanup runs now, under the flags it ran under
-                    if self.made:
-                        self.iterator.close()
+            with bar, trainer.policy.backend_flags(trainer.device.type), self.closing:
+                complete = self._train(bar)
         except BaseException:
-            if self.first is not None:
+            if trainer.global_step == self.first_step:  # no optimizer step since the accumulation's first batch
                 self.engine.discard_accumulation()
                 trainer.batch_in_epoch = self.first
                 if self.rng is not None:
@@ -185,7 +183,6 @@ class _Epoch:
             raise
         finally:
             self.engine.set_sync_next(False)
-            bar.close()
         if trainer.batch_in_epoch == 0:
             raise ValueError(f"train_loader yielded no batches in epoch {trainer.epoch + 1}: nothing was trained "
                              "(an empty dataset, or an iterator spent by an earlier epoch: pass a list or a DataLoader)")
@@ -193,25 +190,27 @@ class _Epoch:
 
     def _train(self, bar) -> bool:
         """Train on the epoch's batches, then flush an open accumulation; whether the epoch ran to its end."""
-        trainer, engine = self.trainer, self.engine
+        trainer, engine, options = self.trainer, self.engine, self.options
         while True:
-            if not engine.accumulating():
-                self.first = trainer.batch_in_epoch
+            if not engine.accumulating():  # where an exception rewinds to: this accumulation's first batch
+                self.first, self.first_step = trainer.batch_in_epoch, trainer.global_step
                 self.rng = checkpoint.rng_state() if trainer.grad_accum_steps > 1 else None
             waited = time.perf_counter()
             batch = next(self.iterator, _END)
             self.data_s += time.perf_counter() - waited
             if batch is _END:
-                self._after(self._attempt(trainer.flush))
+                self._after(trainer.flush())
                 return True
             engine.set_sync_next(self.total is not None and trainer.batch_in_epoch + 1 == self.total)
-            result = self._attempt(trainer.step, batch)
-            trainer.batch_in_epoch += 1
+            try:
+                result = trainer.step(batch)
+            finally:  # a step that raised after its optimizer step used its batch; one that raised before is rewound
+                trainer.batch_in_epoch += 1
             self.losses.append(result._loss)
-            self._fold(len(self.losses) == 64)
+            self._fold(at=64)
             self.samples += batch_size(batch)
             bar.update(1)
-            if trainer.batch_in_epoch % self.options["log_every"] == 0 and self.options["progress"]:
+            if options["progress"] and trainer.batch_in_epoch % options["log_every"] == 0:
                 stats, last_loss = engine.counted()
                 scale = {} if stats.scale is None else {"scale": f"{stats.scale:g}"}
                 loss = f"{last_loss:.4g}" if last_loss is not None else "-"
@@ -219,17 +218,6 @@ class _Epoch:
                                  "data": f"{self.data_s / (time.perf_counter() - self.start):.0%}"}, refresh=False)
             if self._after(result):
                 return self.total is not None and trainer.batch_in_epoch >= self.total
-
-    def _attempt(self, call, *args):
-        """``call(*args)``; once its optimizer step ran nothing is rewound and its batch is used, even if it raised."""
-        steps = self.trainer.global_step
-        try:
-            return call(*args)
-        except BaseException:
-            self.trainer.batch_in_epoch += bool(args) and self.trainer.global_step != steps
-            raise
-        finally:
-            self.first = None if self.trainer.global_step != steps else self.first
 
     def _after(self, result) -> bool:
         """Callbacks, loggers and periodic checkpoints after a micro-batch; True once ``max_steps`` is reached."""
@@ -241,10 +229,10 @@ class _Epoch:
                 cb.on_step_end(trainer, result)
         if result._outcome is None:  # no optimizer step: mid-accumulation
             return False
-        if options["loggers"] and trainer.global_step % options["log_every"] == 0 and _dist.is_main():
+        if options["loggers"] and trainer.global_step % options["log_every"] == 0:
             now = time.perf_counter()
             stats, last_loss = self.engine.counted()  # on the host already: no sync
-            rate = (self.samples - self.logged_samples) / max(now - self.logged_at, 1e-9)
+            rate = (self.samples - self.logged_samples) / (now - self.logged_at)
             metrics = {"loss": last_loss, "lr": trainer.optimizer.param_groups[0]["lr"],
                        "skipped": stats.skipped, "samples_per_s": rate, "loss_scale": stats.scale}
             for logger in options["loggers"]:
@@ -252,11 +240,13 @@ class _Epoch:
             self.logged_at, self.logged_samples = now, self.samples
         if options["checkpoints"] is not None and trainer.global_step % options["checkpoints"].every == 0:
             options["checkpoints"].save(trainer)
-        return options["reached"]()
+        return trainer.global_step >= options["max_steps"]
 
-    def _fold(self, now: bool = True) -> None:
-        if now and self.losses:
-            losses, self.losses = torch.stack(self.losses).float(), []  # a bf16 loss summed in fp32
+    def _fold(self, at: int = 1) -> None:
+        """Once ``at`` micro-batch losses wait, sum them into ``totals``, in fp32 (a bf16 loss summed in bf16 loses)."""
+        if len(self.losses) >= at:
+            losses = torch.stack(self.losses).float()
+            self.losses = []
             finite = torch.isfinite(losses)
             self.totals += torch.stack([torch.where(finite, losses, 0.0).sum(), finite.sum()])
 
@@ -265,16 +255,16 @@ class _Epoch:
         trainer, elapsed = self.trainer, time.perf_counter() - self.start
         totals = torch.cat([self.totals, self.totals.new_tensor([self.samples])])
         if trainer.distributed:
-            _dist.all_reduce_sum_(totals)
+            torch.distributed.all_reduce(totals)  # a sum
         loss_sum, finite, samples = totals.tolist()
-        stats, steps = trainer.stats, trainer.global_step - self.steps_before
+        stats = trainer.stats
         measured = [m for m in trainer.underflow_history if m["step"] > self.steps_before]
         return {
             "epoch": trainer.epoch + 1, "complete": complete,
             "train_loss": loss_sum / finite if finite else float("nan"),  # skipped steps' NaN losses left out
-            "steps": steps, "skipped": stats.skipped - self.skipped_before, "time_s": elapsed,
-            "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
-            "data_s": self.data_s, "data_fraction": self.data_s / elapsed if elapsed > 0 else 0.0,
+            "steps": trainer.global_step - self.steps_before, "skipped": stats.skipped - self.skipped_before,
+            "time_s": elapsed, "samples_per_s": samples / elapsed,
+            "data_s": self.data_s, "data_fraction": self.data_s / elapsed,
             **{f"stats_{k}": v for k, v in dataclasses.asdict(stats).items()},
             **({k: measured[-1].get(k) for k in ("underflow", "underflow_scaled", "lost_updates")} if measured else {}),
         }
@@ -318,12 +308,13 @@ def validate(trainer, loader: Iterable, metrics: Mapping) -> dict[str, float]:
                 predictions = outputs if isinstance(outputs, torch.Tensor) else output_field(outputs, "logits")
                 for metric in metrics.values():
                     metric.update(predictions.float() if predictions.is_floating_point() else predictions, targets)
+        totals = torch.stack([loss_sum, loss_sum.new_tensor(count)])
         if trainer.distributed:
-            totals = _dist.all_reduce_sum_(torch.stack([loss_sum, torch.tensor(float(count), device=device)]))
-            loss_sum, count = totals[0], int(totals[1])
+            torch.distributed.all_reduce(totals)  # a sum
+        loss_sum, count = totals.tolist()
         if count == 0:
             raise ValueError("the validation loader yielded no batches, so there is no loss to report")
-        result = {"val_loss": float(loss_sum) / count}
+        result = {"val_loss": loss_sum / count}
         for name, metric in metrics.items():  # torchmetrics syncs across ranks in compute()
             value = metric.compute()
             result[name] = value.item() if value.numel() == 1 else value.tolist()
