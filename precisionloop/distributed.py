@@ -131,10 +131,6 @@ def shard_loader(loader: Any) -> Any:
                       persistent_workers=loader.persistent_workers)
 
 
-def all_reduce_max_(tensor: torch.Tensor) -> None:
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-
-
 def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)

@@ -181,18 +181,17 @@ class _DynamicLossScale(_NoLossScale):
         return _compat.scaler_scale_tensor(self.scaler)
 
 
-def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> bool:
+def fuse_default_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     """Switch a torch SGD, Adam or AdamW on CUDA left at its default implementation, without state, to its fused one
-    (the same algorithm, taking the inf/NaN flag as a device tensor: no host sync); whether it did."""
+    (the same algorithm, taking the inf/NaN flag as a device tensor: no host sync)."""
     groups = optimizer.param_groups
     if (type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) or optimizer.state
             or any(g.get("fused") is not None or g.get("foreach") or g.get("capturable") or g.get("differentiable")
                    or g.get("dampening") for g in groups)
             or not all(p.is_cuda and p.is_floating_point() for g in groups for p in g["params"])
             or any(getattr(m, "sparse", False) for m in model.modules())):
-        return False
+        return
     _compat.use_fused_implementation(optimizer)
-    return True
 
 
 class _Outcome:
@@ -389,7 +388,7 @@ class StepEngine:
             if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
                 torch.maximum(found, here.to(found.device), out=found)
         if self.distributed:  # each rank's loss is its own, whatever the gradients agree on
-            _dist.all_reduce_max_(found)
+            torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         return found
 
     def _names_parameters(self, nonfinite: torch.Tensor) -> bool:
@@ -407,7 +406,7 @@ class StepEngine:
         flags = torch.stack([torch.zeros_like(nonfinite) if p.grad is None else
                              (~_compat.dense_values(p.grad).isfinite()).any().to(nonfinite) for p in params])
         if self.distributed:
-            _dist.all_reduce_max_(flags)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         return [names[p] for p in params], flags
 
     def accumulating(self) -> bool:
