@@ -168,7 +168,7 @@ def format_memory(m) -> str:
 
 def noisy_legend(measurements: Iterable) -> str:
     """The legend of the " !" mark if any measurement is noisy, else ""."""
-    if not any(getattr(m, "noisy", False) for m in measurements):
+    if not any(m.noisy for m in measurements):
         return ""
     return (f"! = noisy: the rounds spread over more than {NOISY_SPREAD:.0%} of their median; rerun with more "
             "rounds or timed steps")
