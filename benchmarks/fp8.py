@@ -78,8 +78,8 @@ def tune(part: str, args, device: torch.device) -> dict:
     base = next(r for r in result.results if r.candidate == Candidate("bf16", compile=True))
     rows = []
     for r in result.results:
-        row = {"candidate": r.candidate.label, "timing": Measurement(**vars(r.timing)).to_dict(), "rejected": r.rejected,
-               "drift": r.drift, "chosen": r.candidate == result.best}
+        row = {"candidate": r.candidate.label, "timing": Measurement(**vars(r.timing)).to_dict(),
+               "rejected": r.rejected, "drift": r.drift, "chosen": r.candidate == result.best}
         if r.timing.rounds_ms and base.timing.rounds_ms and r is not base:
             median, low, high = paired_ratio(r.timing, base.timing)  # candidate / bf16 time, per round
             row["speedup_vs_bf16"] = [1 / median, 1 / high, 1 / low]  # median, min, max

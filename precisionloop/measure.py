@@ -136,8 +136,8 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
     def alone(r: int, factories: dict[str, Callable]) -> dict:
         return {name: run_alone(factory, median_step, device) for name, factory in factories.items()}
 
-    results = {name: Measurement(name, settings={"rounds": rounds, "iters": iters, "warmup": warmup,
-                                                 "device": str(device)}) for name in systems}
+    settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device)}
+    results = {name: Measurement(name, settings=dict(settings)) for name in systems}
     names = list(systems)
     for r in range(rounds):
         order = [n for n in names[r % len(names):] + names[:r % len(names)] if results[n].error is None]
