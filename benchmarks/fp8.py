@@ -37,10 +37,10 @@ from torch import nn
 
 from precisionloop import FP8Policy, Trainer, autotune, get_policy
 from precisionloop import fp8 as fp8_module
-from precisionloop.measure import Run, format_memory, format_time
+from precisionloop.measure import format_memory, format_time
 from precisionloop.recipes import models
 from precisionloop.recipes import resnet18_bench as bench
-from precisionloop.recipes.timing import choose_method, format_ratio, interleaved, paired_ratio
+from precisionloop.recipes.timing import Measurement, Run, choose_method, format_ratio, interleaved, paired_ratio
 from precisionloop.tuning import Candidate
 
 PARTS = ("speed", "transformer", "vit_b_16", "resnet18", "loss")
@@ -78,8 +78,8 @@ def tune(part: str, args, device: torch.device) -> dict:
     base = next(r for r in result.results if r.candidate == Candidate("bf16", compile=True))
     rows = []
     for r in result.results:
-        row = {"candidate": r.candidate.label, "timing": r.timing.to_dict(), "rejected": r.rejected, "drift": r.drift,
-               "chosen": r.candidate == result.best}
+        row = {"candidate": r.candidate.label, "timing": Measurement(**vars(r.timing)).to_dict(),
+               "rejected": r.rejected, "drift": r.drift, "chosen": r.candidate == result.best}
         if r.timing.rounds_ms and base.timing.rounds_ms and r is not base:
             median, low, high = paired_ratio(r.timing, base.timing)  # candidate / bf16 time, per round
             row["speedup_vs_bf16"] = [1 / median, 1 / high, 1 / low]  # median, min, max

@@ -7,7 +7,7 @@ nanoGPT's shakespeare-char shape (6 layers, 6 heads, 384 wide, block 256, vocab 
 device-resident batch of 64 x 256 random tokens under bf16 autocast with fused AdamW and clipping at 1.0. Each step
 reads its loss on the host, as a script logging every iteration does, so the host's time before a step's first kernel
 is not hidden behind the step before. Systems: ``hand``, nanoGPT's step written out (under the bf16 policy's backend
-flags); ``trainer``, ``Trainer.step(batch).loss``; with --before, ``trainer-before``. Timed by ``measure.interleaved``,
+flags); ``trainer``, ``Trainer.step(batch).loss``; with --before, ``trainer-before``. Timed by ``timing.interleaved``,
 a fresh instance per system and round (compiled on CUDA: back to back; eager on CUDA: alternating step by step; off
 CUDA: alone); the cost is each round's ratio to ``hand``, paired in time.
 """
@@ -25,8 +25,8 @@ from torch import nn
 
 from loop_cost import load_before  # the sibling script
 import precisionloop
-from precisionloop.measure import Run, format_time, noisy_legend
-from precisionloop.recipes.timing import choose_method, format_ratio, interleaved, paired_ratio
+from precisionloop.measure import format_time, noisy_legend
+from precisionloop.recipes.timing import Run, choose_method, format_ratio, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
 
 VOCAB = 65  # shakespeare-char's characters

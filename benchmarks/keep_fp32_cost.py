@@ -15,9 +15,9 @@ import json
 import torch
 
 from precisionloop import BF16Policy, Trainer
-from precisionloop.measure import Run, format_memory, format_time
+from precisionloop.measure import format_memory, format_time
 from precisionloop.recipes import resnet18_bench as bench
-from precisionloop.recipes.timing import format_ratio, interleaved, paired_ratio
+from precisionloop.recipes.timing import Run, format_ratio, interleaved, paired_ratio
 
 
 def _entries(text: str) -> tuple:

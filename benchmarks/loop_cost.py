@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 import precisionloop
-from precisionloop.measure import Run, format_time
+from precisionloop.measure import format_time
 from precisionloop.recipes import resnet18_bench as bench
-from precisionloop.recipes.timing import choose_method, format_ratio, interleaved, paired_ratio
+from precisionloop.recipes.timing import Run, choose_method, format_ratio, interleaved, paired_ratio
 
 OPTIMIZERS = {
     "fused-sgd": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, fused=True),

@@ -30,9 +30,9 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import FP32Policy
-from precisionloop.measure import Run, format_memory, format_time
+from precisionloop.measure import format_memory, format_time
 from precisionloop.recipes import resnet18_bench as bench
-from precisionloop.recipes.timing import format_ratio, interleaved, paired_ratio
+from precisionloop.recipes.timing import Run, format_ratio, interleaved, paired_ratio
 
 FABRIC = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 ACCELERATE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -24,9 +23,15 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _cast_counts(x: torch.Tensor, dtype: torch.dtype, scale: float | str | None = None) -> torch.Tensor:
+class _Report:
+    def to_dict(self) -> dict:
+        """A JSON-ready copy, dtypes by name."""
+        return {k: _name(v) if isinstance(v, torch.dtype) else v for k, v in dataclasses.asdict(self).items()}
+
+
+def _cast_counts(x: torch.Tensor, dtype: torch.dtype, scale: float | str = 1.0) -> torch.Tensor:
     """Of the finite nonzero values of ``x`` (fp32): [count, become 0, land in subnormals, overflow, summed relative
-    error of the survivors' round trip], float64 on its device; ``scale``: None, a factor or torchao's amax scaling."""
+    error of the survivors' round trip], float64 on its device; ``scale``: a factor or torchao's amax scaling."""
     finfo, nonzero = torch.finfo(dtype), (x != 0) & x.isfinite()
     if isinstance(scale, str):
         rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
@@ -37,7 +42,7 @@ def _cast_counts(x: torch.Tensor, dtype: torch.dtype, scale: float | str | None 
             factor = torch.exp2(torch.floor(torch.log2(factor)))
         scaled = (rows * factor).clamp(-finfo.max, finfo.max).reshape(x.shape)
     else:
-        scaled = x if scale is None else x * scale
+        scaled = x * scale
     cast = scaled.to(dtype).float()  # compared in fp32: fp8 has no comparison kernels everywhere
     zero = nonzero & (cast == 0)
     over = nonzero & (~cast.isfinite() | (scaled.abs() > finfo.max) if dtype in _NO_INF else ~cast.isfinite())
@@ -69,7 +74,7 @@ class ParameterUnderflow:
 
 
 @dataclasses.dataclass(frozen=True)
-class UnderflowReport:
+class UnderflowReport(_Report):
     """Fractions of the finite nonzero gradient values: ``underflow``, the cast is exactly 0; ``overflow``, it is inf
     (past the largest finite value, for a format without inf such as e4m3); ``error``, the mean relative error of the
     round trip over the values that neither become 0 nor overflow. See :func:`gradient_underflow`."""
@@ -86,10 +91,6 @@ class UnderflowReport:
     overflow_scaled: float
     error_scaled: float
     by_parameter: dict[str, ParameterUnderflow]
-
-    def to_dict(self) -> dict:
-        """A JSON-ready copy."""
-        return {**dataclasses.asdict(self), "dtype": _name(self.dtype)}
 
     def __str__(self) -> str:
         name, finfo = _name(self.dtype), torch.finfo(self.dtype)
@@ -117,8 +118,7 @@ def _check_format(dtype: Any, scale: Any) -> None:
         if dtype.itemsize != 1:
             raise ValueError(f"scale={scale!r} is torchao's amax scaling for fp8 formats, not {dtype}")
         return
-    if isinstance(scale, (bool, str, bytes)) or not (isinstance(scale, (numbers.Real, torch.Tensor))
-                                                     and math.isfinite(float(scale)) and float(scale) > 0):
+    if isinstance(scale, str) or not 0 < float(scale) < math.inf:
         raise ValueError(f"scale must be a finite number > 0, 'tensorwise' or 'rowwise', got {scale!r}")
 
 
@@ -171,16 +171,12 @@ def underflow_summary(model: nn.Module, dtype: torch.dtype, scale: float) -> dic
 
 
 @dataclasses.dataclass(frozen=True)
-class PrecisionReport:
+class PrecisionReport(_Report):
     """Per layer, tensor (``input``, ``weight``, ``output grad``) and format: ``underflow``, ``overflow`` and ``error``
     as in :class:`UnderflowReport`."""
 
     formats: tuple[str, ...]
     rows: list[dict]  # {"layer", "tensor", "nonzero", format: {"underflow", "overflow", "error"}, ...}
-
-    def to_dict(self) -> dict:
-        """A JSON-ready copy."""
-        return {"formats": list(self.formats), "rows": [dict(r) for r in self.rows]}
 
     def __str__(self) -> str:
         width = max([5, *(len(r["layer"]) for r in self.rows)])
@@ -253,7 +249,7 @@ def precision_report(trainer: Any, batch: Any, formats: Sequence[torch.dtype] = 
 
 
 @dataclasses.dataclass(frozen=True)
-class LostUpdates:
+class LostUpdates(_Report):
     """What :func:`lost_updates` found: ``lost``, the fraction of the nonzero updates lost, in total and per parameter
     (``{name: (nonzero, lost)}``); None when no weight moved."""
 
@@ -261,10 +257,6 @@ class LostUpdates:
     nonzero: int
     lost: float | None
     by_parameter: dict[str, tuple[int, float | None]]
-
-    def to_dict(self) -> dict:
-        """A JSON-ready copy."""
-        return {**dataclasses.asdict(self), "dtype": _name(self.dtype)}
 
     def __str__(self) -> str:
         lost = "no weight moved" if self.lost is None else f"{self.lost:.4%} would be lost"

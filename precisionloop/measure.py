@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import statistics
 import time
-from typing import Callable, ContextManager, Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -19,15 +18,10 @@ NOISY_SPREAD = 0.10  # a measurement whose (max - min) / median over rounds exce
 
 @dataclasses.dataclass
 class Run:
-    """A step, the ``context`` its steps run in (a context manager or a factory of fresh ones), a ``teardown`` after."""
+    """A step, and a ``teardown`` called after its instance is timed."""
 
     step: Callable[[], object]
-    context: ContextManager | Callable[[], ContextManager] = contextlib.nullcontext
     teardown: Callable[[], None] | None = None
-
-    def enter(self) -> ContextManager:
-        fresh = not hasattr(self.context, "__enter__") or isinstance(self.context, type)  # torch.no_grad is a factory
-        return self.context() if fresh else self.context
 
 
 @dataclasses.dataclass
@@ -36,8 +30,7 @@ class Measurement:
 
     name: str
     rounds_ms: list[float] = dataclasses.field(default_factory=list)
-    peak_mb: float | None = None  # CUDA, timed alone: max_memory_allocated over the steady-state steps, top round
-    reserved_mb: float | None = None  # the same for max_memory_reserved, CUDA-graph pools included
+    peak_mb: float | None = None  # CUDA: max_memory_allocated over the steady-state steps, top round
     settings: dict = dataclasses.field(default_factory=dict)
     error: str | None = None
 
@@ -46,10 +39,6 @@ class Measurement:
     max_ms = property(lambda self: max(self.rounds_ms) if self.rounds_ms else None)
     spread = property(lambda self: (self.max_ms - self.min_ms) / self.median_ms if self.median_ms else None)
     noisy = property(lambda self: self.spread is not None and self.spread > NOISY_SPREAD)
-
-    def to_dict(self) -> dict:  # JSON-ready, the derived figures included
-        return {**dataclasses.asdict(self), "median_ms": self.median_ms, "min_ms": self.min_ms,
-                "max_ms": self.max_ms, "spread": self.spread, "noisy": self.noisy}
 
 
 def warm_up(step: Callable[[], object], warmup: int, device: torch.device) -> None:
@@ -107,36 +96,32 @@ def error_text(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"  # text, not the exception: its frames would keep the instance alive
 
 
-def run_alone(factory: Callable, time_step: Callable[[Callable[[], object]], float], device: torch.device):
-    """Build one instance, time its step by ``time_step(step)``: (ms, peak MB, reserved MB), or its error as text."""
+def run_alone(factory: Callable, time_step: Callable[[Run], float], device: torch.device) -> tuple | str:
+    """Build one instance, time it by ``time_step(run)``: (ms, peak MB), or its error as text."""
     try:
         reset_memory(device)
         run = as_run(factory())
         try:
-            with run.enter():
-                ms = time_step(run.step)
+            ms = time_step(run)
         finally:
             if run.teardown is not None:
                 run.teardown()
-        reserved = torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
-        return ms, peak_mb(device), reserved
+        return ms, peak_mb(device)
     except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
         return error_text(e)
 
 
 def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int, warmup: int, device: torch.device,
-                on_run: Callable[[int, str], None] | None = None, timer: Callable[[], float] = time.perf_counter,
-                time_round: Callable[[dict[str, Callable]], dict] | None = None,
-                method: str = "alone") -> dict[str, Measurement]:
+                timer: Callable[[], float] = time.perf_counter,
+                time_round: Callable[[int, dict[str, Callable]], dict] | None = None) -> dict[str, Measurement]:
     """Time every system in ``rounds`` rounds, a fresh instance each round, the order rotated left by the round.
 
     Each is timed alone, its figure the round's median step; a system that raises gets ``error`` and is not run again.
 
     Args:
         systems: name -> factory building a fresh model and optimizer, returning a step callable or a :class:`Run`.
-        on_run: called as ``on_run(round_index, name)`` before each round's systems are built.
-        time_round: another method, recorded as ``method`` in the settings: given a round's factories in order, it
-            returns per name (ms per step, peak MB, reserved MB) or the error's text, as :func:`run_alone` does.
+        time_round: another method: given the round's index and its factories in order, it returns per name (ms per
+            step, peak MB) or the error's text, as :func:`run_alone` does.
 
     Raises:
         ValueError: ``rounds`` or ``iters`` below 1, or ``warmup`` below 0.
@@ -145,29 +130,25 @@ def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int,
         raise ValueError(f"interleaved needs rounds >= 1, iters >= 1 and warmup >= 0; got rounds={rounds}, "
                          f"iters={iters}, warmup={warmup}")
 
-    def median_step(step: Callable[[], object]) -> float:
-        return statistics.median(time_steps(step, iters=iters, warmup=warmup, device=device, timer=timer))
+    def median_step(run: Run) -> float:
+        return statistics.median(time_steps(run.step, iters=iters, warmup=warmup, device=device, timer=timer))
 
-    settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device), "method": method}
+    def alone(r: int, factories: dict[str, Callable]) -> dict:
+        return {name: run_alone(factory, median_step, device) for name, factory in factories.items()}
+
+    settings = {"rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device)}
     results = {name: Measurement(name, settings=dict(settings)) for name in systems}
     names = list(systems)
     for r in range(rounds):
         order = [n for n in names[r % len(names):] + names[:r % len(names)] if results[n].error is None]
-        for name in order if on_run else ():
-            on_run(r, name)
-        if time_round is not None:
-            got = time_round({n: systems[n] for n in order})
-        else:
-            got = {n: run_alone(systems[n], median_step, device) for n in order}
-        for name, result in got.items():
+        for name, result in (time_round or alone)(r, {n: systems[n] for n in order}).items():
             m = results[name]
             if isinstance(result, str):
                 m.error = result
-                continue
-            m.rounds_ms.append(result[0])
-            if result[1] is not None:  # CUDA: the highest round's peaks
-                m.peak_mb = max(m.peak_mb or 0, result[1])
-                m.reserved_mb = None if result[2] is None else max(m.reserved_mb or 0, result[2])
+            else:
+                m.rounds_ms.append(result[0])
+                if result[1] is not None:  # CUDA: the highest round's peak
+                    m.peak_mb = max(m.peak_mb or 0, result[1])
     reset_memory(device)
     return results
 
@@ -187,7 +168,7 @@ def format_memory(m) -> str:
 
 def noisy_legend(measurements: Iterable) -> str:
     """The legend of the " !" mark if any measurement is noisy, else ""."""
-    if not any(getattr(m, "noisy", False) for m in measurements):
+    if not any(m.noisy for m in measurements):
         return ""
     return (f"! = noisy: the rounds spread over more than {NOISY_SPREAD:.0%} of their median; rerun with more "
             "rounds or timed steps")

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from precisionloop import measure
-from precisionloop.measure import Measurement, Run, interleaved
+from precisionloop.measure import Measurement, interleaved
 from precisionloop.recipes import timing
-from precisionloop.recipes.timing import paired_ratio
+from precisionloop.recipes.timing import Run, paired_ratio
 
 CPU = torch.device("cpu")
 
@@ -43,16 +43,16 @@ def test_rounds_rotate_the_order_and_build_fresh_instances():
     clock, order = FakeClock(), []
     calls = {name: [] for name in "ABC"}
     systems = {name: synthetic(clock, [1.0], calls[name]) for name in "ABC"}
-    interleaved(systems, rounds=3, iters=2, warmup=1, device=CPU, timer=clock, on_run=lambda r, n: order.append((r, n)))
+    timing.interleaved(systems, rounds=3, iters=2, warmup=1, device=CPU, timer=clock, on_run=lambda *a: order.append(a))
     assert order == [(0, "A"), (0, "B"), (0, "C"), (1, "B"), (1, "C"), (1, "A"), (2, "C"), (2, "A"), (2, "B")]
     assert {name: len(c) for name, c in calls.items()} == {"A": 3, "B": 3, "C": 3}
 
 
 def test_median_min_max_spread_and_noisy_flag_from_a_synthetic_timer():
     clock = FakeClock()
-    result = interleaved({"noisy": synthetic(clock, [10.0, 10.0, 13.0], []),
-                          "quiet": synthetic(clock, [10.0, 10.5, 10.2], [])},
-                         rounds=3, iters=4, warmup=2, device=CPU, timer=clock)
+    result = timing.interleaved({"noisy": synthetic(clock, [10.0, 10.0, 13.0], []),
+                                 "quiet": synthetic(clock, [10.0, 10.5, 10.2], [])},
+                                rounds=3, iters=4, warmup=2, device=CPU, timer=clock)
     n, q = result["noisy"], result["quiet"]
     assert n.rounds_ms == pytest.approx([10.0, 10.0, 13.0]) and q.rounds_ms == pytest.approx([10.0, 10.5, 10.2])
     assert (n.median_ms, n.min_ms, n.max_ms) == pytest.approx((10.0, 10.0, 13.0))
@@ -91,7 +91,7 @@ def test_run_context_and_teardown_wrap_each_instance():
     def factory():
         return Run(lambda: events.append("step"), context=Flags(), teardown=lambda: events.append("teardown"))
 
-    interleaved({"a": factory}, rounds=2, iters=1, warmup=1, device=CPU, timer=clock)
+    timing.interleaved({"a": factory}, rounds=2, iters=1, warmup=1, device=CPU, timer=clock)
     assert events == ["enter", "step", "step", "exit", "teardown"] * 2
     events.clear()
     # A context factory (a class too) is called for a fresh context each time.

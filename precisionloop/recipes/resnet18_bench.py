@@ -25,16 +25,17 @@ from torch import nn
 from tqdm import tqdm
 
 from precisionloop import FP8Policy, PrecisionPolicy, Trainer, autotune, get_policy
-from precisionloop.measure import Measurement, Run, format_memory, format_time, noisy_legend
+from precisionloop.measure import format_memory, format_time, noisy_legend
 from precisionloop.policy import has_tf32
 from precisionloop.precisions import default_precisions
 from precisionloop.recipes import max_batch, models
-from precisionloop.recipes.timing import METHODS, choose_method, format_ratio, interleaved, paired_ratio
+from precisionloop.recipes.timing import (METHODS, Measurement, Run, choose_method, format_ratio, interleaved,
+                                          paired_ratio)
 from precisionloop.tuning import Candidate
 
 __all__ = ["TRANSFORMER", "OPTIMIZERS", "Result", "environment", "check_output", "parse_device", "build_model", "make_model", "make_batch",
            "random_batch", "loss_of", "make_optimizer", "hand_loop_step", "policy_for", "compile_for", "graphed",
-           "system_factory", "settings_of", "format_table", "format_wrapper_cost", "parse_args", "main"]
+           "system_factory", "format_table", "format_wrapper_cost", "parse_args", "main"]
 
 TRANSFORMER = "transformer"
 OPTIMIZERS = {"sgd": "SGD momentum 0.9", "adamw": "AdamW"}
@@ -177,29 +178,20 @@ def system_factory(system: str, policy: PrecisionPolicy, batch_size: int, args, 
     return build
 
 
-def settings_of(args) -> dict:
-    """The run-wide settings every JSON record carries."""
-    return {"model": args.model, "sizes": args.sizes, "image_size": args.image_size, "fused": args.fused,
-            "compile": args.compile or False, "channels_last": args.channels_last, "optimizer": args.optimizer}
-
-
-def _method_for(args, device: torch.device, compiled: bool) -> tuple[str, str]:
-    """(method, why): the one --method asks for, or the one what is timed calls for."""
-    return (args.method, "asked for") if args.method != "auto" else choose_method(device, compiled)
-
-
 def _measure_config(precision: str, batch_size: int, args, device: torch.device, systems: list[str],
                    on_run=None) -> list[Result]:
     """Time ``systems`` at one precision and batch size in interleaved rounds."""
     policy = policy_for(precision, args)
     skipped: dict[str, list[int]] = {s: [] for s in systems}
     factories = {s: system_factory(s, policy, batch_size, args, device, skipped[s]) for s in systems}
-    method, why = _method_for(args, device, bool(compile_for(policy, args, device)))
+    method, why = choose_method(device, bool(compile_for(policy, args, device)), args.method)
     measured = interleaved(factories, rounds=args.rounds, iters=args.iters, warmup=args.warmup, device=device,
                            on_run=on_run, pipelined=method == "pipelined",
                            blocks=args.iters if method == "alternating" else 1)
-    for m in measured.values():
-        m.settings.update(settings_of(args), why=why)
+    for m in measured.values():  # the run-wide settings every JSON record carries
+        m.settings.update(model=args.model, sizes=args.sizes, image_size=args.image_size, fused=args.fused,
+                          compile=args.compile or False, channels_last=args.channels_last, optimizer=args.optimizer,
+                          why=why)
     return [Result(**vars(m), precision=precision, batch_size=batch_size, skipped=sum(skipped[s]))
             for s, m in measured.items()]
 
@@ -419,7 +411,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         f"{args.rounds} rounds of {args.warmup} warm-up + {args.iters} timed steps per system, a fresh model and "
         "optimizer each; median over rounds [min-max]")
     for precision in args.precisions:
-        method, why = _method_for(args, device, bool(compile_for(policy_for(precision, args), args, device)))
+        method, why = choose_method(device, bool(compile_for(policy_for(precision, args), args, device)), args.method)
         say(f"timing {precision}: {method} ({why})")
     if not args.compile and compile_for(None, args, device):
         say("every precision is compiled: fp8 always is, and one table compares compiled with compiled")
