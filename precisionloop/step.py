@@ -127,22 +127,6 @@ def _check_loss(loss: Any) -> None:
                            "frozen, or was it computed under torch.no_grad()? Nothing was changed")
 
 
-def _start_momentum_buffers(optimizer: torch.optim.Optimizer) -> bool:
-    """Zero momentum buffers for a fused SGD's new parameters (torch's ``empty_like`` ones would keep garbage through
-    a skip); whether the step may be skipped on the device: without dampening momentum from zero steps as torch's
-    first step does, with it (never fused by the Trainer) the host decides."""
-    if type(optimizer) is not torch.optim.SGD:
-        return True
-    for group in optimizer.param_groups:
-        if group["fused"] and group["momentum"] != 0:
-            for p in group["params"]:
-                if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
-                    if group["dampening"] != 0:
-                        return False
-                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return True
-
-
 class _NoLossScale:
     """A scale of one (jmp's NoOpLossScale): the step never asks whether there is a loss scaler."""
 
@@ -261,6 +245,7 @@ class StepEngine:
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
         self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
         self._zero_nan: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._buffers_for: int | None = None  # the parameter count once every one has a momentum buffer
 
     def step(self, batch: Any, keep_outputs: bool = False) -> StepResult:
         """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
@@ -329,7 +314,7 @@ class StepEngine:
         # those already on the host or two steps old, so the host never waits for the step just queued.
         self.sync(wait_all=self.scheduler is not None)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]  # add_param_group too
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [g for p in params if (g := p.grad) is not None]
         outcome = _Outcome(self._losses, *self._constants(self._losses[-1].device))
         nonfinite = self._check(grads, outcome.row)
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
@@ -345,7 +330,7 @@ class StepEngine:
 
         skip = self.policy.should_skip(nonfinite, grad_norm)
         try:
-            if _compat.skips_on_device(self.optimizer) and _start_momentum_buffers(self.optimizer):
+            if _compat.skips_on_device(self.optimizer) and self._start_momentum_buffers(len(params)):
                 self.optimizer.grad_scale, self.optimizer.found_inf = None, skip  # GradScaler's contract
                 try:
                     self.optimizer.step()
@@ -368,6 +353,29 @@ class StepEngine:
         if outcome.event is None:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
         return StepResult(outcome.row[-1] if loss is None else loss, grad_norm=norm[0], outcome=outcome)
+
+    def _start_momentum_buffers(self, count: int) -> bool:
+        """Zero momentum buffers for a fused SGD's new parameters (torch's ``empty_like`` ones would keep garbage
+        through a skip), scanned until all ``count`` parameters have one; whether the step may be skipped on the
+        device: without dampening momentum from zero steps as torch's first step does, with it (never fused by the
+        Trainer) the host decides."""
+        optimizer = self.optimizer
+        if type(optimizer) is not torch.optim.SGD or self._buffers_for == count:
+            return True
+        every = True
+        for group in optimizer.param_groups:
+            if group["fused"] and group["momentum"] != 0:
+                for p in group["params"]:
+                    if optimizer.state.get(p, {}).get("momentum_buffer") is not None:
+                        continue
+                    if p.grad is None:
+                        every = False  # its first step is still to come
+                    elif group["dampening"] != 0:
+                        return False
+                    else:
+                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        self._buffers_for = count if every else None
+        return True
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """0 and NaN on the loss's device, made once: the outcome row starts from them without a fill per step."""
@@ -481,7 +489,7 @@ class StepEngine:
 
     def load_state_dict(self, state: dict) -> None:
         """Replace all of it: the outcomes not counted yet, the open accumulation, the scale, counters and stats."""
-        self._pending = []
+        self._pending, self._buffers_for = [], None  # the optimizer's state is replaced too
         self.discard_accumulation()
         scaler, counters = self.loss_scale.scaler, state["counters"]
         if scaler is not None and state["scaler"]:

@@ -214,6 +214,20 @@ def test_fused_sgd_first_step_skipped_is_a_no_op(precision, dampening, poisoned_
     assert t.stats.skipped == 1 and ref.stats.skipped == 0
 
 
+def test_fused_sgd_first_step_skipped_after_loading_a_checkpoint_saved_before_any_step(tmp_path, poisoned_empty):
+    """The loaded optimizer has no momentum buffers again: a skipped first step after the load leaves none behind."""
+    m, t = mk("fp32", opt=fused_sgd)
+    t.save(tmp_path / "fresh.pt")
+    t.step(batch(2))  # every parameter has its buffer now
+    t.load(tmp_path / "fresh.pt")
+    loss_fn, t.loss_fn = t.loss_fn, NAN_LOSS
+    assert t.step(B).skipped
+    t.loss_fn = loss_fn
+    t.step(batch(2))
+    for p in m.parameters():
+        assert torch.isfinite(t.optimizer.state[p]["momentum_buffer"]).all(), "garbage momentum buffer"
+
+
 class _TwoHeads(nn.Module):
     """A head used only once ``late`` is set: its parameters' first gradient comes after the others' buffers."""
 
