@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -118,7 +119,8 @@ def _check_format(dtype: Any, scale: Any) -> None:
         if dtype.itemsize != 1:
             raise ValueError(f"scale={scale!r} is torchao's amax scaling for fp8 formats, not {dtype}")
         return
-    if isinstance(scale, str) or not 0 < float(scale) < math.inf:
+    if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, (numbers.Real, torch.Tensor)) \
+            or not 0 < float(scale) < math.inf:
         raise ValueError(f"scale must be a finite number > 0, 'tensorwise' or 'rowwise', got {scale!r}")
 
 

@@ -232,7 +232,7 @@ class _Epoch:
         if options["loggers"] and trainer.global_step % options["log_every"] == 0:
             now = time.perf_counter()
             stats, last_loss = self.engine.counted()  # on the host already: no sync
-            rate = (self.samples - self.logged_samples) / (now - self.logged_at)
+            rate = (self.samples - self.logged_samples) / max(now - self.logged_at, 1e-9)  # a frozen test clock
             metrics = {"loss": last_loss, "lr": trainer.optimizer.param_groups[0]["lr"],
                        "skipped": stats.skipped, "samples_per_s": rate, "loss_scale": stats.scale}
             for logger in options["loggers"]:
@@ -263,8 +263,8 @@ class _Epoch:
             "epoch": trainer.epoch + 1, "complete": complete,
             "train_loss": loss_sum / finite if finite else float("nan"),  # skipped steps' NaN losses left out
             "steps": trainer.global_step - self.steps_before, "skipped": stats.skipped - self.skipped_before,
-            "time_s": elapsed, "samples_per_s": samples / elapsed,
-            "data_s": self.data_s, "data_fraction": self.data_s / elapsed,
+            "time_s": elapsed, "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
+            "data_s": self.data_s, "data_fraction": self.data_s / elapsed if elapsed > 0 else 0.0,
             **{f"stats_{k}": v for k, v in dataclasses.asdict(stats).items()},
             **({k: measured[-1].get(k) for k in ("underflow", "underflow_scaled", "lost_updates")} if measured else {}),
         }

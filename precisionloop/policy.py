@@ -239,6 +239,8 @@ def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -
     """Refuse a precision the device cannot run natively; warn where a CPU runs it slower than fp32 (fp16, bf16)."""
     if dtype == torch.float32:
         return
+    if not torch.amp.is_autocast_available(device.type):
+        raise ValueError(f"precision {name!r} needs autocast, which torch does not offer on {device}; use 'fp32'")
     if device.type == "cuda" and dtype == torch.bfloat16 and not cuda_bf16_native(device):
         raise ValueError(f"precision {name!r} needs native bf16, but {torch.cuda.get_device_name(device)} has compute "
                          "capability below 8.0; use precision='fp16', which adds loss scaling")

@@ -245,7 +245,7 @@ class StepEngine:
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
         self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
         self._zero_nan: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._buffers_for: int | None = None  # the parameter count once every one has a momentum buffer
+        self._buffers_for: tuple | None = None  # (optimizer.state, its size, parameter count) with every buffer made
 
     def step(self, batch: Any, keep_outputs: bool = False) -> StepResult:
         """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
@@ -356,11 +356,13 @@ class StepEngine:
 
     def _start_momentum_buffers(self, count: int) -> bool:
         """Zero momentum buffers for a fused SGD's new parameters (torch's ``empty_like`` ones would keep garbage
-        through a skip), scanned until all ``count`` parameters have one; whether the step may be skipped on the
-        device: without dampening momentum from zero steps as torch's first step does, with it (never fused by the
-        Trainer) the host decides."""
+        through a skip), scanned until all ``count`` parameters have one, again once its state is replaced or cleared;
+        whether the step may be skipped on the device: without dampening momentum from zero steps as torch's first
+        step does, with it (never fused by the Trainer) the host decides."""
         optimizer = self.optimizer
-        if type(optimizer) is not torch.optim.SGD or self._buffers_for == count:
+        known = self._buffers_for
+        if type(optimizer) is not torch.optim.SGD or (
+                known is not None and known[0] is optimizer.state and known[1:] == (len(optimizer.state), count)):
             return True
         every = True
         for group in optimizer.param_groups:
@@ -374,7 +376,7 @@ class StepEngine:
                         return False
                     else:
                         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        self._buffers_for = count if every else None
+        self._buffers_for = (optimizer.state, len(optimizer.state), count) if every else None
         return True
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,8 +388,9 @@ class StepEngine:
 
     def _check(self, grads: list[torch.Tensor], row: torch.Tensor) -> torch.Tensor:
         """``row[0]``: 1.0 if a gradient or a micro-batch loss (``row[3:]``, scaled) is not finite, else 0.0 (fp32:
-        fused optimizers skip only on exactly 1), the gradients and the losses unscaled; alike on every rank. A NaN
-        loss (a batch of ignored targets: 0/0) can leave every gradient finite."""
+        fused optimizers skip only on exactly 1), the gradients and the losses unscaled (exactly by a power-of-two scale,
+        to the last bit by another); alike on every rank. A NaN loss (a batch of ignored targets: 0/0) can leave
+        every gradient finite."""
         found = row[0]
         inverse = self.loss_scale.inverse()
         for group in _compat.group_by_device_and_dtype([row[3:], *map(_compat.dense_values, grads)]):
@@ -489,7 +492,7 @@ class StepEngine:
 
     def load_state_dict(self, state: dict) -> None:
         """Replace all of it: the outcomes not counted yet, the open accumulation, the scale, counters and stats."""
-        self._pending, self._buffers_for = [], None  # the optimizer's state is replaced too
+        self._pending = []
         self.discard_accumulation()
         scaler, counters = self.loss_scale.scaler, state["counters"]
         if scaler is not None and state["scaler"]:

@@ -190,7 +190,7 @@ def optimizer_like(optimizer: torch.optim.Optimizer, model: nn.Module) -> _Optim
     # Constructor arguments too (a custom optimizer may require lr), but only those it accepts:
     # torch 2.14's AdamW keeps decoupled_weight_decay in its defaults yet refuses it as an argument.
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
 
     def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = list(params)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from conftest import B, ProbeNorm
 
-from precisionloop import BF16AdamW, BF16Policy, FP16Policy, Trainer, get_policy
+from precisionloop import BF16AdamW, BF16Policy, BF16PurePolicy, FP16Policy, Trainer, get_policy
 from precisionloop.keep_fp32 import entry_names, is_kept, keep_fp32_, select_modules, validate_keep_fp32, within
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
@@ -437,3 +437,19 @@ def test_compiled_model_matches_eager_without_graph_breaks(backend):
             out = forward_backward(compiled, x)
             assert out[0].dtype == torch.float32 and same(out, forward_backward(model, x))
     assert list(compiled.state_dict()) == ["_orig_mod." + k for k in model.state_dict()]
+
+
+def test_bf16_pure_keeps_a_weight_a_kept_module_shares_in_fp32():
+    """A tied embedding and head, the head kept in fp32: their one weight stays fp32, as the kept head needs."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, x):
+            return self.head(self.embed(x))
+
+    model = Tied()
+    Trainer(model, BF16AdamW(model.parameters()), BF16PurePolicy(keep_fp32=("head",)), device="cpu")
+    assert model.head.weight is model.embed.weight and model.head.weight.dtype == torch.float32

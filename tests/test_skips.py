@@ -214,12 +214,39 @@ def test_fused_sgd_first_step_skipped_is_a_no_op(precision, dampening, poisoned_
     assert t.stats.skipped == 1 and ref.stats.skipped == 0
 
 
-def test_fused_sgd_first_step_skipped_after_loading_a_checkpoint_saved_before_any_step(tmp_path, poisoned_empty):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_fp16_losses_reach_the_loggers_unscaled(accum):
+    """The losses are checked scaled and unscaled with the gradients: what fit logs is each step's loss."""
+    class Seen:
+        def __init__(self):
+            self.logged, self.results = [], []
+
+        def log_metrics(self, metrics, step):
+            if "epoch" not in metrics:  # not the epoch's record
+                self.logged.append(metrics["loss"])
+
+        def on_step_end(self, trainer, result):
+            if result.stepped or result.skipped:
+                self.results.append(result.loss)
+
+    _, t = mk(FP16Policy(init_scale=2.0**10), grad_accum_steps=accum)
+    seen = Seen()
+    t.fit([batch(i) for i in range(4)], progress=False, log_every=1, loggers=[seen], callbacks=[seen])
+    assert len(seen.logged) == 4 // accum and seen.logged == pytest.approx(seen.results, rel=1e-6)
+    assert t.stats.scale == 2.0**10
+
+
+@pytest.mark.parametrize("load", ["trainer", "optimizer"])
+def test_fused_sgd_first_step_skipped_after_loading_a_state_saved_before_any_step(load, tmp_path, poisoned_empty):
     """The loaded optimizer has no momentum buffers again: a skipped first step after the load leaves none behind."""
     m, t = mk("fp32", opt=fused_sgd)
     t.save(tmp_path / "fresh.pt")
+    fresh = copy.deepcopy(t.optimizer.state_dict())
     t.step(batch(2))  # every parameter has its buffer now
-    t.load(tmp_path / "fresh.pt")
+    if load == "trainer":
+        t.load(tmp_path / "fresh.pt")
+    else:
+        t.optimizer.load_state_dict(fresh)
     loss_fn, t.loss_fn = t.loss_fn, NAN_LOSS
     assert t.step(B).skipped
     t.loss_fn = loss_fn
