@@ -145,7 +145,7 @@ def is_batch_norm(module: nn.Module) -> bool:
 def dense_values(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's stored values: itself when dense, its values when sparse, its local shard under FSDP2."""
     g = grad._values() if grad.is_sparse else grad
-    return g if type(g) is torch.Tensor or not hasattr(g, "to_local") else g.to_local()  # a failed hasattr is slow
+    return g.to_local() if hasattr(g, "to_local") else g
 
 
 def stacklevel_outside_package() -> int:

@@ -127,6 +127,22 @@ def _check_loss(loss: Any) -> None:
                            "frozen, or was it computed under torch.no_grad()? Nothing was changed")
 
 
+def _start_momentum_buffers(optimizer: torch.optim.Optimizer) -> bool:
+    """Zero momentum buffers for a fused SGD's new parameters (torch's ``empty_like`` ones would keep garbage through
+    a skip); whether the step may be skipped on the device: without dampening momentum from zero steps as torch's
+    first step does, with it (never fused by the Trainer) the host decides."""
+    if type(optimizer) is not torch.optim.SGD:
+        return True
+    for group in optimizer.param_groups:
+        if group["fused"] and group["momentum"] != 0:
+            for p in group["params"]:
+                if p.grad is not None and optimizer.state.get(p, {}).get("momentum_buffer") is None:
+                    if group["dampening"] != 0:
+                        return False
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return True
+
+
 class _NoLossScale:
     """A scale of one (jmp's NoOpLossScale): the step never asks whether there is a loss scaler."""
 
@@ -245,7 +261,6 @@ class StepEngine:
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
         self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
         self._zero_nan: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._buffers_for: tuple | None = None  # (optimizer.state, its size, parameter count) with every buffer made
 
     def step(self, batch: Any, keep_outputs: bool = False) -> StepResult:
         """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
@@ -330,7 +345,7 @@ class StepEngine:
 
         skip = self.policy.should_skip(nonfinite, grad_norm)
         try:
-            if _compat.skips_on_device(self.optimizer) and self._start_momentum_buffers(len(params)):
+            if _compat.skips_on_device(self.optimizer) and _start_momentum_buffers(self.optimizer):
                 self.optimizer.grad_scale, self.optimizer.found_inf = None, skip  # GradScaler's contract
                 try:
                     self.optimizer.step()
@@ -353,31 +368,6 @@ class StepEngine:
         if outcome.event is None:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
         return StepResult(outcome.row[-1] if loss is None else loss, grad_norm=norm[0], outcome=outcome)
-
-    def _start_momentum_buffers(self, count: int) -> bool:
-        """Zero momentum buffers for a fused SGD's new parameters (torch's ``empty_like`` ones would keep garbage
-        through a skip), scanned until all ``count`` parameters have one, again once its state is replaced or cleared;
-        whether the step may be skipped on the device: without dampening momentum from zero steps as torch's first
-        step does, with it (never fused by the Trainer) the host decides."""
-        optimizer = self.optimizer
-        known = self._buffers_for
-        if type(optimizer) is not torch.optim.SGD or (
-                known is not None and known[0] is optimizer.state and known[1:] == (len(optimizer.state), count)):
-            return True
-        every = True
-        for group in optimizer.param_groups:
-            if group["fused"] and group["momentum"] != 0:
-                for p in group["params"]:
-                    if optimizer.state.get(p, {}).get("momentum_buffer") is not None:
-                        continue
-                    if p.grad is None:
-                        every = False  # its first step is still to come
-                    elif group["dampening"] != 0:
-                        return False
-                    else:
-                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        self._buffers_for = (optimizer.state, len(optimizer.state), count) if every else None
-        return True
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """0 and NaN on the loss's device, made once: the outcome row starts from them without a fill per step."""
