@@ -55,10 +55,9 @@ def _cast_counts(x: torch.Tensor, dtype: torch.dtype, scale: float | str = 1.0) 
 
 def _fractions(counts: Sequence[float], suffix: str = "") -> dict[str, float]:
     """``underflow``, ``overflow`` and ``error`` (each name + ``suffix``) from :func:`_cast_counts`'s counts."""
-    count, zero, _, over, error = counts
-    survive = count - zero - over
-    fractions = (zero / count, over / count, error / survive if survive else 0.0) if count else (0.0, 0.0, 0.0)
-    return dict(zip((f"underflow{suffix}", f"overflow{suffix}", f"error{suffix}"), fractions))
+    count, zero, _, over, error = counts  # whole counts: max(n, 1) changes only n = 0, whose share is 0
+    return {f"underflow{suffix}": zero / max(count, 1), f"overflow{suffix}": over / max(count, 1),
+            f"error{suffix}": error / max(count - zero - over, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
