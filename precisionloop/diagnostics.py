@@ -117,8 +117,7 @@ def _check_format(dtype: Any, scale: Any) -> None:
     if scale in ("tensorwise", "rowwise"):
         if dtype.itemsize != 1:
             raise ValueError(f"scale={scale!r} is torchao's amax scaling for fp8 formats, not {dtype}")
-        return
-    if isinstance(scale, (bool, str, bytes)) or not isinstance(scale, (numbers.Real, torch.Tensor)) \
+    elif isinstance(scale, (bool, str, bytes)) or not isinstance(scale, (numbers.Real, torch.Tensor)) \
             or not 0 < float(scale) < math.inf:
         raise ValueError(f"scale must be a finite number > 0, 'tensorwise' or 'rowwise', got {scale!r}")
 
