@@ -9,6 +9,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 
 def scaler_scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
@@ -31,9 +32,8 @@ FUSED_CHECK_MAX_ELEMENTS = 2**25  # the most CUDA gradient values one fused chec
 
 
 def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
-    """Multiply gradients (all of one device and dtype) by ``inv_scale`` and set ``found_inf`` (fp32, one element)
-    to 1 if one is not finite: GradScaler's fused unscale-and-check in one launch where it can; without a scale, a
-    read-only foreach check where the fused kernel cannot run or its write-back would cost more than it saves."""
+    """Multiply gradients (all of one device and dtype) by ``inv_scale``, set ``found_inf`` (fp32, one element) to 1
+    if one is not finite: GradScaler's fused kernel where it runs and pays, else foreach inf-norms (and a multiply)."""
     device = grads[0].device.type
     fused = grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ())
     if fused and (inv_scale is not None or device == "cpu"
@@ -67,8 +67,6 @@ def use_fused_implementation(optimizer: torch.optim.Optimizer) -> None:
         group["fused"], group["foreach"] = True, False
     optimizer.defaults["fused"], optimizer.defaults["foreach"] = True, False
     optimizer._step_supports_amp_scaling = True  # what the constructors set for fused=True
-    if isinstance(optimizer, torch.optim.SGD):
-        optimizer._need_device_dtype_check_for_fused = True
 
 
 def foreach_mul_(tensors: list[torch.Tensor], factor: float) -> None:
@@ -137,8 +135,6 @@ def cpu_bf16_native() -> bool:
 
 def is_batch_norm(module: nn.Module) -> bool:
     """Batch and instance norms: the layers with fp32 running statistics."""
-    from torch.nn.modules.batchnorm import _NormBase
-
     return isinstance(module, _NormBase)
 
 

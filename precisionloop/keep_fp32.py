@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["validate_keep_fp32", "select_modules", "keep_fp32_", "is_kept", "within", "entry_names"]
+__all__ = ["validate_keep_fp32", "select_modules", "keep_fp32_", "is_kept", "within"]
 
 
 def validate_keep_fp32(entries: Any) -> tuple:
@@ -31,7 +31,8 @@ def validate_keep_fp32(entries: Any) -> tuple:
         if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, nn.Module))):
             raise TypeError(f"keep_fp32 takes nn.Module subclasses and str name patterns, not {entry!r}"
                             f"{' (pass the class, not an instance)' if isinstance(entry, nn.Module) else ''}")
-    return tuple(sorted(set(entries), key=lambda e: (isinstance(e, str), entry_names([e])[0])))
+    names = {e: e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in entries}
+    return tuple(sorted(names, key=lambda e: (isinstance(e, str), names[e])))
 
 
 def select_modules(model: nn.Module, entries: Any) -> list[tuple[str, nn.Module]]:
@@ -86,11 +87,6 @@ def is_kept(module: nn.Module) -> bool:
 def within(name: str, names: Iterable[str]) -> bool:
     """Whether module ``name`` is one of ``names`` or inside one (the root, ``""``, holds every module)."""
     return any(name == n or n == "" or name.startswith(n + ".") for n in names)
-
-
-def entry_names(entries: Iterable) -> list[str]:
-    """``keep_fp32`` entries as strings (classes by qualified name), for checkpoints and messages."""
-    return [e if isinstance(e, str) else f"{e.__module__}.{e.__qualname__}" for e in entries]
 
 
 class _FP32Forward:

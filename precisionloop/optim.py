@@ -15,8 +15,7 @@ def _round(x: torch.Tensor) -> torch.Tensor:
 
 
 def _update(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf):
-    """One AdamW update of each parameter in fp32, a bf16 weight and its moments stored stochastically rounded;
-    none at all where ``found_inf`` is nonzero. ``grad_scale`` divides the gradients (GradScaler's contract)."""
+    """AdamW on each parameter in fp32, bf16 tensors stored rounded stochastically; none where ``found_inf`` > 0."""
     skip = None if found_inf is None else found_inf > 0  # GradScaler sums the flags of several devices
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         step.add_(1 if skip is None else (~skip).float())

@@ -106,7 +106,7 @@ class PrecisionPolicy:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Check the device runs this policy (else a ValueError), set the layout, keep ``keep_fp32`` modules fp32."""
         device = next((p.device for p in model.parameters()), None)
-        if device is not None:
+        if device is not None and self.compute_dtype != torch.float32:  # fp32 runs on every device
             _check_device_support(self.name, self.compute_dtype, device)
         memory_format = self.memory_format(model)
         if memory_format is not torch.contiguous_format:
@@ -225,10 +225,10 @@ def converted_layers(model: nn.Module) -> list[str]:
 def warn_overridden_flags(policy: PrecisionPolicy) -> None:
     """Warn when the policy's backend flags override ones this process set away from torch's defaults."""
     with policy.backend_flags("cuda"):
-        wanted = [getattr(owner, name) for owner, name in _FLAGS]
+        wanted = _current()
     overridden = [f"{label}={now!r} (the Trainer sets {want!r})"
-                  for label, want, now, default in zip(_LABELS, wanted, _current(), _DEFAULTS)
-                  if now not in default and want != now]
+                  for (label, _, _, defaults), want, now in zip(_FLAGS, wanted, _current())
+                  if now not in defaults and want != now]
     if overridden:
         warnings.warn(f"precision {policy.name!r} overrides this process's {', '.join(overridden)} while it trains; "
                       "a policy with tf32=None and cudnn_benchmark=None leaves them (precision='fp32' is one), or pass "
@@ -236,9 +236,7 @@ def warn_overridden_flags(policy: PrecisionPolicy) -> None:
 
 
 def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse a precision the device cannot run natively; warn where a CPU runs it slower than fp32 (fp16, bf16)."""
-    if dtype == torch.float32:
-        return
+    """Refuse a reduced precision the device cannot run natively; warn where a CPU runs it slower than fp32."""
     if not torch.amp.is_autocast_available(device.type):
         raise ValueError(f"precision {name!r} needs autocast, which torch does not offer on {device}; use 'fp32'")
     if device.type == "cuda" and dtype == torch.bfloat16 and not cuda_bf16_native(device):
@@ -254,16 +252,16 @@ def _check_device_support(name: str, dtype: torch.dtype, device: torch.device) -
                       "times slower than fp32; consider precision='fp32'", UserWarning, stacklevel=stacklevel)
 
 
-# The TF32 switches (torch's per-backend fp32_precision: "tf32" or "ieee"), then cudnn.benchmark, as labelled.
-_FLAGS = ((torch.backends.cuda.matmul, "fp32_precision"), (torch.backends.cudnn.conv, "fp32_precision"),
-          (torch.backends.cudnn.rnn, "fp32_precision"), (torch.backends.cudnn, "benchmark"))
-_LABELS = ("cuda.matmul.fp32_precision", "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision", "cudnn.benchmark")
-# torch's own defaults ("none" defers to the global setting): a value among them is not the user's choice.
-_DEFAULTS = (("none", "ieee"), ("none", "tf32"), ("none", "tf32"), (False,))
+# Each flag a policy sets: its label, owner, attribute and torch's defaults ("none" defers to the global setting),
+# values nobody chose. The TF32 switches are torch's per-backend fp32_precision, "tf32" or "ieee".
+_FLAGS = (("cuda.matmul.fp32_precision", torch.backends.cuda.matmul, "fp32_precision", ("none", "ieee")),
+          ("cudnn.conv.fp32_precision", torch.backends.cudnn.conv, "fp32_precision", ("none", "tf32")),
+          ("cudnn.rnn.fp32_precision", torch.backends.cudnn.rnn, "fp32_precision", ("none", "tf32")),
+          ("cudnn.benchmark", torch.backends.cudnn, "benchmark", (False,)))
 
 
 def _current() -> tuple:
-    return tuple(getattr(owner, name) for owner, name in _FLAGS)
+    return tuple(getattr(owner, name) for _, owner, name, _ in _FLAGS)
 
 
 @contextlib.contextmanager
@@ -271,11 +269,11 @@ def _flags_set(wanted: tuple) -> Iterator[None]:
     """Each of ``_FLAGS`` set to its wanted value, unless None, for the block; each one that differs restored after."""
     saved = _current()
     try:
-        for (owner, name), value, was in zip(_FLAGS, wanted, saved):
+        for (_, owner, name, _), value, was in zip(_FLAGS, wanted, saved):
             if value is not None and value != was:
                 setattr(owner, name, value)
         yield
     finally:  # also after a write refused midway: nothing set stays set
-        for (owner, name), was in zip(_FLAGS, saved):
+        for (_, owner, name, _), was in zip(_FLAGS, saved):
             if getattr(owner, name) != was:
                 setattr(owner, name, was)

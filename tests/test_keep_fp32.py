@@ -19,7 +19,7 @@ from torch import nn
 from conftest import B, ProbeNorm
 
 from precisionloop import BF16AdamW, BF16Policy, BF16PurePolicy, FP16Policy, Trainer, get_policy
-from precisionloop.keep_fp32 import entry_names, is_kept, keep_fp32_, select_modules, validate_keep_fp32, within
+from precisionloop.keep_fp32 import is_kept, keep_fp32_, select_modules, validate_keep_fp32, within
 
 pytestmark = pytest.mark.filterwarnings("ignore:fp16 autocast on the CPU:UserWarning")
 
@@ -189,10 +189,6 @@ def test_policies_stay_values_normalised_hashable_and_shown():
     assert "keep_fp32=(" in repr(policy) and "LayerNorm" in repr(policy) and "'head'" in repr(policy)
     assert dataclasses.replace(get_policy("bf16"), keep_fp32=["head"]).keep_fp32 == ("head",)
     assert get_policy("bf16").keep_fp32 == () == get_policy("fp16").keep_fp32
-
-
-def test_entry_names():
-    assert entry_names((nn.LayerNorm, "head")) == ["torch.nn.modules.normalization.LayerNorm", "head"]
 
 
 @pytest.mark.filterwarnings("ignore:checkpoint .* was saved under:UserWarning")  # what a load says is checkpoint's
