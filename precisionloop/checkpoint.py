@@ -17,16 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from . import _compat, distributed as _dist
 from .step import map_tensors
-
-try:
-    import numpy as np
-except ImportError:  # numpy is optional; its RNG is saved only when it is there
-    np = None
 
 FORMAT = "precisionloop-checkpoint"
 VERSION = 1  # the layout 0.2.0 wrote too, so its checkpoints load
@@ -80,10 +76,9 @@ def rng_state() -> dict:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():  # only once CUDA is in use: reading it would start it
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if np is not None:  # its key as a tensor: weights_only loading refuses numpy arrays
-        name, key, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {"bit_generator": name, "key": torch.from_numpy(key.astype("int64")), "pos": pos,
-                          "has_gauss": has_gauss, "gauss": gauss}
+    name, key, pos, has_gauss, gauss = np.random.get_state()  # its key as a tensor: weights_only refuses arrays
+    state["numpy"] = {"bit_generator": name, "key": torch.from_numpy(key.astype("int64")), "pos": pos,
+                      "has_gauss": has_gauss, "gauss": gauss}
     return state
 
 
@@ -92,7 +87,7 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))  # a list in older files
-    if "numpy" in state and np is not None:
+    if "numpy" in state:
         s = state["numpy"]
         key = s["key"].numpy().astype(np.uint32)
         np.random.set_state((s["bit_generator"], key, s["pos"], s["has_gauss"], s["gauss"]))
