@@ -91,9 +91,8 @@ def set_rng_state(state: dict) -> None:
         s = state["numpy"]
         key = s["key"].numpy().astype(np.uint32)
         np.random.set_state((s["bit_generator"], key, s["pos"], s["has_gauss"], s["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        for index, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, index)
+    if "cuda" in state and torch.cuda.is_available():  # the devices both runs have
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
