@@ -209,8 +209,7 @@ def _full_state(model: nn.Module, optimizer: torch.optim.Optimizer, distributed:
     for name, p in _compat.unwrap(model).state_dict(keep_vars=True).items():
         if isinstance(p, nn.Parameter):
             names.setdefault(id(p), name)  # a tied parameter by its first name
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
+    groups = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
     return get_model_state_dict(model, options=options), {"state": {}, "param_groups": groups}
 
 
