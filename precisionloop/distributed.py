@@ -16,16 +16,12 @@ from . import _compat, keep_fp32 as fp32_modules
 __all__ = ["world_size", "rank", "is_main", "barrier"]
 
 
-def _initialised() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def world_size() -> int:
-    return dist.get_world_size() if _initialised() else 1
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if _initialised() else 0
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def is_main() -> bool:
@@ -46,14 +42,14 @@ def resolve(mode: str | None, device: str | torch.device | None) -> tuple[str | 
         mode = "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 or world_size() > 1 else None  # several processes
     if mode is None:
         return None, device
-    if not _initialised() and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    if not dist.is_initialized() and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         raise ValueError(f"distributed={mode!r} needs torchrun (RANK and WORLD_SIZE set) or an initialised process "
                          "group; use distributed=None to train in one process")
     local_rank = os.environ.get("LOCAL_RANK")
     device = _compat.resolve_device(device, None if local_rank is None else int(local_rank))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before NCCL starts, so each rank owns its GPU
-    if not _initialised():
+    if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return mode, device
 
