@@ -104,6 +104,9 @@ def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
     scheduler = trainer.scheduler
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
     rng = rng_state()
+    rng_per_rank = [None] * _dist.world_size() if trainer.distributed else None
+    if trainer.distributed:  # every rank's, so that each resumes its own
+        torch.distributed.all_gather_object(rng_per_rank, rng)
     return {
         "format": FORMAT, "version": VERSION, "written_by": "precisionloop " + _WRITER,
         "precision": trainer.policy.name,
@@ -113,7 +116,7 @@ def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
         "scheduler_interval": trainer.scheduler_interval,
         "scaler": engine["scaler"], "stats": engine["stats"],
         "counters": {**engine["counters"], "epoch": trainer.epoch, "batch_in_epoch": trainer.batch_in_epoch},
-        "rng": rng, "rng_per_rank": _dist.gather_objects(rng) if trainer.distributed else None,
+        "rng": rng, "rng_per_rank": rng_per_rank,
         "rng_epoch_start": trainer._rng_epoch_start,
         "extra": extra_states,
     }

@@ -125,9 +125,3 @@ def shard_loader(loader: Any) -> Any:
                       collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
                       timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
                       persistent_workers=loader.persistent_workers)
-
-
-def gather_objects(obj: Any) -> list[Any]:
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
