@@ -69,7 +69,6 @@ def wrap(model: nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.
         raise ValueError(f"distributed='fsdp' cannot run a fused {type(optimizer).__name__} (torch has no DTensor rule "
                          "for its kernel); build it with fused=False")
     names = {id(p): n for n, p in model.named_parameters()}
-    by_group = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     # fully_shard the fp32 modules (kept ones, affine batch norms) and the root's other children, then the root.
     mesh = init_device_mesh(device.type, (world_size(),))  # the default mesh would take the GPU for a CPU run
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -82,8 +81,8 @@ def wrap(model: nn.Module, mode: str, compute_dtype: torch.dtype, device: torch.
             fully_shard(module, mesh=mesh, mp_policy=fp32 if kept else mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     sharded = dict(model.named_parameters())
-    for group, group_names in zip(optimizer.param_groups, by_group):
-        group["params"] = [sharded[n] for n in group_names]
+    for group in optimizer.param_groups:  # still the replaced parameters, by whose ids they are named
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
     return model
 
 
