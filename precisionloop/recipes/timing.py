@@ -106,8 +106,7 @@ def _alternating_round(factories: Mapping[str, Callable], iters: int, warmup: in
         return {**out, **{name: (statistics.median(t), peaks[name]) for name, t in times.items()}}
     finally:
         for run in runs.values():
-            if run.teardown is not None:
-                run.teardown()
+            run.teardown()
 
 
 def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int, warmup: int, device: torch.device,
