@@ -72,7 +72,7 @@ class FP8Policy(BF16Policy):
         emulate: emulate the fp8 matmuls in fp32, on any device (for tests: slow).
 
     Raises:
-        ValueError: an unknown recipe, or ``layers`` not a tuple of names.
+        ValueError: an unknown recipe, ``emulate`` not True or False, or ``layers`` not a tuple of names.
     """
 
     name: ClassVar[str] = "fp8"
@@ -84,6 +84,8 @@ class FP8Policy(BF16Policy):
         super().__post_init__()
         if self.recipe not in _RECIPES:
             raise ValueError(f"FP8Policy recipe must be one of {', '.join(_RECIPES)}, got {self.recipe!r}")
+        if not isinstance(self.emulate, bool):
+            raise ValueError(f"emulate must be True or False, got {self.emulate!r}")
         if self.layers is not None:
             names = tuple(self.layers) if isinstance(self.layers, (tuple, list, set, frozenset)) else (None,)
             if not all(isinstance(n, str) for n in names):  # a str alone would be read as its characters

@@ -43,7 +43,8 @@ def test_the_policy_is_a_value_in_the_one_table():
         recipe="rowwise", layers=("2", "4"))) and "rowwise" in repr(policy) and isinstance(policy, BF16Policy)
     for bad, message in ((dict(recipe="fastest"), "recipe must be one of tensorwise"),
                          (dict(layers="2"), "layers must be a tuple of module names, got '2'"),
-                         (dict(layers=5), "layers must be a tuple of module names, got 5")):
+                         (dict(layers=5), "layers must be a tuple of module names, got 5"),
+                         (dict(emulate="yes"), "emulate must be True or False")):
         with pytest.raises(ValueError, match=message):
             FP8Policy(**bad)
 
