@@ -104,8 +104,9 @@ def trainer_state(trainer, extra: Mapping[str, Any]) -> dict:
     scheduler = trainer.scheduler
     model_state, optimizer_state = _full_state(trainer.model, trainer.optimizer, trainer.distributed)
     rng = rng_state()
-    rng_per_rank = [None] * _dist.world_size() if trainer.distributed else None
+    rng_per_rank = None
     if trainer.distributed:  # every rank's, so that each resumes its own
+        rng_per_rank = [None] * _dist.world_size()
         torch.distributed.all_gather_object(rng_per_rank, rng)
     return {
         "format": FORMAT, "version": VERSION, "written_by": "precisionloop " + _WRITER,

@@ -21,7 +21,7 @@ class Run:
     """A step, and a ``teardown`` called after its instance is timed."""
 
     step: Callable[[], object]
-    teardown: Callable[[], None] = lambda: None
+    teardown: Callable[[], None] | None = None
 
 
 @dataclasses.dataclass
@@ -104,7 +104,8 @@ def run_alone(factory: Callable, time_step: Callable[[Run], float], device: torc
         try:
             ms = time_step(run)
         finally:
-            run.teardown()
+            if run.teardown is not None:
+                run.teardown()
         return ms, peak_mb(device)
     except Exception as e:  # noqa: BLE001 - one failing system must not lose the others' numbers
         return error_text(e)

@@ -100,13 +100,15 @@ def test_a_default_built_optimizer_switched_to_fused_equals_a_fused_one(cls):
     for group in switched.param_groups:
         group["fused"], group["foreach"] = True, False
     switched.defaults["fused"], switched.defaults["foreach"] = True, False
-    switched._step_supports_amp_scaling = True  # SGD's device and dtype check runs when no flag says it ran
+    switched._step_supports_amp_scaling = True
     for _ in range(2):
         for model, optimizer in ((a, switched), (b, built)):
             model(torch.ones(4, 3)).square().sum().backward()
             optimizer.step()
             optimizer.zero_grad()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    if cls is torch.optim.SGD:  # torch's device and dtype check ran, though nothing asked for it
+        assert switched._need_device_dtype_check_for_fused is False
 
 
 def test_compile_modes_and_the_error_type_of_a_failed_compile():

@@ -106,7 +106,8 @@ def _alternating_round(factories: Mapping[str, Callable], iters: int, warmup: in
         return {**out, **{name: (statistics.median(t), peaks[name]) for name, t in times.items()}}
     finally:
         for run in runs.values():
-            run.teardown()
+            if run.teardown is not None:
+                run.teardown()
 
 
 def interleaved(systems: Mapping[str, Callable], *, rounds: int = 3, iters: int, warmup: int, device: torch.device,
