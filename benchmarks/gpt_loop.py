@@ -9,7 +9,7 @@ reads its loss on the host, as a script logging every iteration does, so the hos
 is not hidden behind the step before. Systems: ``hand``, nanoGPT's step written out (under the bf16 policy's backend
 flags); ``trainer``, ``Trainer.step(batch).loss``; with --before, ``trainer-before``. Timed by ``timing.interleaved``,
 a fresh instance per system and round (compiled on CUDA: back to back; eager on CUDA: alternating step by step; off
-CUDA: alone); the cost is each round's ratio to ``hand``, paired in time.
+CUDA: alone; --method picks another); the cost is each round's ratio to ``hand``, paired in time.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 from loop_cost import load_before  # the sibling script
 import precisionloop
 from precisionloop.measure import format_time, noisy_legend
-from precisionloop.recipes.timing import Run, choose_method, format_ratio, interleaved, paired_ratio
+from precisionloop.recipes.timing import METHODS, Run, choose_method, format_ratio, interleaved, paired_ratio
 from precisionloop.recipes import resnet18_bench as bench
 
 VOCAB = 65  # shakespeare-char's characters
@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="torch.compile's mode for both loops (nanoGPT's torch.compile(model) is default); none: eager")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
                    help="fp32: the script turns TF32 on at its top, as nanoGPT does, and trains without autocast")
+    p.add_argument("--method", default="auto", choices=("auto", *METHODS),
+                   help="how steps are timed; auto: timing.choose_method's (compiled on CUDA: pipelined). The loop "
+                        "reads its loss every step, so alternating hides no host time and moves drift alike")
     p.add_argument("--before", default=None, help="path to an older precisionloop package directory")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     systems = {"hand": lambda: _hand(args, batch), "trainer": lambda: _trainer(precisionloop, args, batch)}
     if before is not None:
         systems["trainer-before"] = lambda: _trainer(before, args, batch)
-    method = choose_method(args.device, args.mode != "none")[0]
+    method = choose_method(args.device, args.mode != "none", args.method)[0]
     name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     print(f"GPT {args.layers} layers x {args.width} wide, {args.heads} heads, batch {args.batch} x {args.block}, {args.precision},"
           f" compile {args.mode}, on {name}: steps timed {method}", flush=True)
