@@ -31,16 +31,15 @@ _FUSED_CHECK_DTYPES = {"cpu": (torch.float16, torch.bfloat16, torch.float32, tor
 FUSED_CHECK_MAX_ELEMENTS = 2**25  # the most CUDA gradient values one fused check takes
 
 
-def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None,
-                    one: torch.Tensor) -> None:
+def non_finite_any_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor | None) -> None:
     """Multiply gradients (all of one device and dtype) by ``inv_scale``, set ``found_inf`` (fp32, one element) to 1
-    if one is not finite: GradScaler's fused kernel where it runs and pays (``one``, fp32: its scale without
-    ``inv_scale``), else foreach inf-norms (and a multiply)."""
+    if one is not finite: GradScaler's fused kernel where it runs and pays, else foreach inf-norms (and a multiply)."""
     device = grads[0].device.type
     fused = grads[0].dtype in _FUSED_CHECK_DTYPES.get(device, ())
     if fused and (inv_scale is not None or device == "cpu"
                   or sum(map(torch.Tensor.numel, grads)) <= FUSED_CHECK_MAX_ELEMENTS):
-        scale = (one if inv_scale is None else inv_scale).to(found_inf.device)
+        one = torch.ones((), dtype=torch.float32, device=found_inf.device)  # a scale of one: the values stay
+        scale = one if inv_scale is None else inv_scale.to(found_inf.device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale)
         return
     grads = [g for g in grads if g.numel()]  # an inf-norm of nothing is an error

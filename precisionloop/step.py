@@ -260,7 +260,7 @@ class StepEngine:
         self.probe: Callable[[int], Callable[[], None] | None] | None = None
         self._pending: list[_Outcome] = []  # outcomes not counted yet, oldest first: at most two
         self._losses: list[torch.Tensor] = []  # the open accumulation's micro-batch losses, checked with its gradients
-        self._fixed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # 0, NaN and 1: see _constants
+        self._zero_nan: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def step(self, batch: Any, keep_outputs: bool = False) -> StepResult:
         """One micro-batch, then the optimizer step if the accumulation is complete; an exception discards it."""
@@ -330,9 +330,8 @@ class StepEngine:
         self.sync(wait_all=self.scheduler is not None)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]  # add_param_group too
         grads = [g for p in params if (g := p.grad) is not None]
-        zero, nan, one = self._constants(self._losses[-1].device)
-        outcome = _Outcome(self._losses, zero, nan)
-        nonfinite = self._check(grads, outcome.row, one)
+        outcome = _Outcome(self._losses, *self._constants(self._losses[-1].device))
+        nonfinite = self._check(grads, outcome.row)
         if self.micro < self.grad_accum_steps:  # a flushed partial accumulation: averaged over what it holds
             _compat.foreach_mul_(grads, self.grad_accum_steps / self.micro)
         after = self.probe(self.global_step + 1) if self.probe is not None else None
@@ -370,16 +369,14 @@ class StepEngine:
             self.sync()  # on the host already: counted now, so the skip limit fires at its step
         return StepResult(outcome.row[-1] if loss is None else loss, grad_norm=norm[0], outcome=outcome)
 
-    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """0, NaN and 1 on the loss's device, made once: the outcome row starts from the first two and the check
-        scales by the last where there is no loss scale, without a fill each step."""
-        if self._fixed is None or self._fixed[0].device != device:
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """0 and NaN on the loss's device, made once: the outcome row starts from them without a fill per step."""
+        if self._zero_nan is None or self._zero_nan[0].device != device:
             with torch.inference_mode(False):
-                self._fixed = (torch.zeros((), device=device), torch.full((), float("nan"), device=device),
-                               torch.ones((), device=device))
-        return self._fixed
+                self._zero_nan = (torch.zeros((), device=device), torch.full((), float("nan"), device=device))
+        return self._zero_nan
 
-    def _check(self, grads: list[torch.Tensor], row: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+    def _check(self, grads: list[torch.Tensor], row: torch.Tensor) -> torch.Tensor:
         """``row[0]``: 1.0 if a gradient or a micro-batch loss (``row[3:]``, scaled) is not finite, else 0.0 (fp32:
         fused optimizers skip only on exactly 1), the gradients and the losses unscaled (exactly by a power-of-two scale,
         to the last bit by another); alike on every rank. A NaN loss (a batch of ignored targets: 0/0) can leave
@@ -388,7 +385,7 @@ class StepEngine:
         inverse = self.loss_scale.inverse()
         for group in _compat.group_by_device_and_dtype([row[3:], *map(_compat.dense_values, grads)]):
             here = found if group[0].device == found.device else torch.zeros_like(found, device=group[0].device)
-            _compat.non_finite_any_(group, here, inverse, one)
+            _compat.non_finite_any_(group, here, inverse)
             if here is not found:  # a maximum, not a sum: fused optimizers skip only on exactly 1
                 torch.maximum(found, here.to(found.device), out=found)
         if self.distributed:  # each rank's loss is its own, whatever the gradients agree on
