@@ -44,11 +44,9 @@ class PrecisionPolicy:
 
     def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
         """The context manager for the forward pass and the loss."""
-        if self.compute_dtype != torch.float32:
-            return torch.autocast(device_type, dtype=self.compute_dtype)
-        if torch.is_autocast_enabled(device_type):
-            return torch.autocast(device_type, enabled=False)  # switches off an autocast the caller opened
-        return contextlib.nullcontext()  # no autocast to switch off: nothing to enter each step
+        if self.compute_dtype == torch.float32:
+            return torch.autocast(device_type, enabled=False)  # also switches off an autocast the caller opened
+        return torch.autocast(device_type, dtype=self.compute_dtype)
 
     def make_scaler(self, device_type: str) -> torch.amp.GradScaler | None:
         """A fresh loss scaler for this device type, or ``None`` when gradients need no scaling."""
